@@ -1,0 +1,804 @@
+"""Read checkpoints lazily and write them atomically, one tensor at a time.
+
+Readers
+    :func:`open_checkpoint` opens a dense checkpoint: a single ``.safetensors`` file, a Hugging Face
+    model folder (single file or sharded with ``model.safetensors.index.json``), or a legacy
+    ``.bin``/``.pt`` file (only through ``torch.load(weights_only=True)``). Tensors are read with
+    safetensors' ``pread`` backend, so a tensor that has been used and dropped leaves no resident
+    pages behind: peak RSS stays at a few tensors whatever the model size.
+    :func:`open_expert` also accepts a PEFT LoRA adapter folder and presents it as task vectors
+    ``τ = scaling · B @ A`` per target weight.
+
+Writers
+    :class:`ModelWriter` writes a sharded safetensors model whose header is computed up front from
+    the known shapes, then streams each tensor into place with ``os.pwrite`` (no shard is ever
+    buffered). :class:`SpoolWriter` writes a single safetensors file whose shapes are only known as
+    they are produced (policy state). :func:`staged_output` gives a sibling temporary folder that is
+    renamed into place on success and removed on failure, so a crash never leaves a half model.
+
+Validation
+    :func:`validate_against_base` checks keys, shapes, dtypes, frozen integer tensors and (for
+    experts) finiteness before any heavy work, raising the specific errors of :mod:`mergestream.errors`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from .errors import (
+    CorruptCheckpointError,
+    DtypeMismatchError,
+    ExtraKeyError,
+    FrozenTensorMismatchError,
+    MissingKeyError,
+    MissingShardError,
+    NonFiniteError,
+    OutputExistsError,
+    ShapeMismatchError,
+    UnsupportedCheckpointError,
+    VocabularyGrownError,
+)
+
+log = logging.getLogger(__name__)
+
+#: safetensors dtype codes <-> torch dtypes.
+ST_TO_TORCH: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+TORCH_TO_ST: dict[torch.dtype, str] = {v: k for k, v in ST_TO_TORCH.items()}
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+LEGACY_SUFFIXES = (".bin", ".pt", ".pth")
+WEIGHT_SUFFIXES = (".safetensors", *LEGACY_SUFFIXES, ".ckpt", ".h5", ".msgpack", ".onnx")
+DEFAULT_SHARD_BYTES = 5 * 1024**3
+
+_EMBEDDING_NAME = re.compile(r"(embed|wte|wpe|lm_head|shared\.weight$)")
+
+
+def is_float_dtype(dtype: torch.dtype) -> bool:
+    """True for floating dtypes (merged); integer and bool tensors are frozen (copied from θ₀)."""
+    return dtype.is_floating_point
+
+
+def is_embedding_name(name: str) -> bool:
+    """Heuristic: does this tensor name denote an embedding matrix or a (tied) LM head?"""
+    return bool(_EMBEDDING_NAME.search(name))
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Shape and dtype of one stored tensor, known without reading its data."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the tensor's data in bytes."""
+        return self.numel * self.dtype.itemsize
+
+
+def _wrap_open_error(path: Path, exc: Exception) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{path}: unreadable or truncated safetensors file ({exc})")
+
+
+class Checkpoint:
+    """A dense checkpoint opened lazily: tensor names, shapes and dtypes up front, data on demand.
+
+    Use :func:`open_checkpoint` to build one. Thread-safe for concurrent :meth:`get` calls.
+
+    Attributes:
+        path: what the user named (file or folder).
+        weight_files: the files holding tensor data, in a stable order.
+    """
+
+    def __init__(self, path: Path, files: dict[str, Path], metas: dict[str, TensorMeta],
+                 handles: dict[Path, object], legacy: dict[str, torch.Tensor] | None = None,
+                 metadata: dict[str, str] | None = None):
+        self.path = path
+        self._files = files
+        self._metas = metas
+        self._handles = handles
+        self._legacy = legacy
+        self._metadata = metadata or {}
+        self.weight_files: list[Path] = sorted(set(files.values()), key=lambda p: p.name)
+        self._sha256: str | None = None
+
+    # -- mapping-like surface ---------------------------------------------------------------
+    def keys(self) -> list[str]:
+        """Tensor names in file order (shard by shard)."""
+        return list(self._metas)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._metas
+
+    def meta(self, name: str) -> TensorMeta:
+        """Shape and dtype of ``name`` (no data read). Raises KeyError if absent."""
+        return self._metas[name]
+
+    def metas(self) -> list[TensorMeta]:
+        return list(self._metas.values())
+
+    @property
+    def nbytes(self) -> int:
+        """Total bytes of tensor data."""
+        return sum(m.nbytes for m in self._metas.values())
+
+    def metadata(self) -> dict[str, str]:
+        """The string metadata (``__metadata__``) of the first weight file."""
+        return dict(self._metadata)
+
+    def get(self, name: str) -> torch.Tensor:
+        """Read one tensor into fresh memory (CPU, stored dtype and shape).
+
+        Raises:
+            KeyError: ``name`` is not in the checkpoint.
+            CorruptCheckpointError: the file cannot be read.
+        """
+        if self._legacy is not None:
+            return self._legacy[name]
+        path = self._files[name]
+        try:
+            return self._handles[path].get_tensor(name)
+        except SafetensorError as exc:  # pragma: no cover - truncated after open
+            raise _wrap_open_error(path, exc) from exc
+
+    def sha256(self) -> str:
+        """Content hash: sha256 over the weight files' bytes, in name order (cached)."""
+        if self._sha256 is None:
+            h = hashlib.sha256()
+            for f in self.weight_files:
+                h.update(f.name.encode())
+                with open(f, "rb") as fh:
+                    while chunk := fh.read(16 * 1024 * 1024):
+                        h.update(chunk)
+            self._sha256 = h.hexdigest()
+        return self._sha256
+
+    def aux_files(self) -> list[Path]:
+        """Non-weight files of a model folder (config, tokenizer, generation config, ...)."""
+        folder = self.path if self.path.is_dir() else None
+        if folder is None:
+            return []
+        out = []
+        for p in sorted(folder.iterdir()):
+            if p.is_file() and not p.name.startswith(".") and not p.name.endswith(WEIGHT_SUFFIXES) \
+                    and not p.name.endswith(".index.json"):
+                out.append(p)
+        return out
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({str(self.path)!r}, tensors={len(self._metas)}, bytes={self.nbytes})"
+
+
+def _open_safetensors_files(path: Path, weight_map: dict[str, Path] | None,
+                            files: list[Path]) -> Checkpoint:
+    handles: dict[Path, object] = {}
+    metas: dict[str, TensorMeta] = {}
+    tensor_files: dict[str, Path] = {}
+    metadata: dict[str, str] | None = None
+    for f in files:
+        try:
+            h = safe_open(str(f), framework="pt", backend="pread")
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise _wrap_open_error(f, exc) from exc
+        handles[f] = h
+        if metadata is None:
+            metadata = h.metadata() or {}
+        for k in h.keys():
+            sl = h.get_slice(k)
+            st_dtype = sl.get_dtype()
+            if st_dtype not in ST_TO_TORCH:
+                raise UnsupportedCheckpointError(f"{f}: tensor {k!r} has unsupported dtype {st_dtype}")
+            metas[k] = TensorMeta(k, tuple(sl.get_shape()), ST_TO_TORCH[st_dtype])
+            tensor_files[k] = f
+    if weight_map is not None:
+        for k, f in weight_map.items():
+            if tensor_files.get(k) != f:
+                raise CorruptCheckpointError(
+                    f"{path}: index names tensor {k!r} in {f.name}, but that shard does not hold it")
+    return Checkpoint(path, tensor_files, metas, handles, metadata=metadata)
+
+
+def _open_legacy(path: Path) -> Checkpoint:
+    try:
+        sd = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:  # torch raises many types for pickles it refuses
+        raise CorruptCheckpointError(
+            f"{path}: cannot load with torch.load(weights_only=True) ({type(exc).__name__}: {exc})"
+        ) from exc
+    if isinstance(sd, dict) and "state_dict" in sd and isinstance(sd["state_dict"], dict):
+        sd = sd["state_dict"]
+    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise UnsupportedCheckpointError(f"{path}: not a flat state dict of tensors")
+    metas = {k: TensorMeta(k, tuple(v.shape), v.dtype) for k, v in sd.items()}
+    return Checkpoint(path, {k: path for k in sd}, metas, {}, legacy=dict(sd))
+
+
+def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Open a dense checkpoint lazily.
+
+    Args:
+        path: a ``.safetensors`` file, a Hugging Face model folder (``model.safetensors``, or
+            ``model.safetensors.index.json`` with its shards, or a single other ``*.safetensors``),
+            or a legacy ``.bin``/``.pt``/``.pth`` state dict (loaded with ``weights_only=True``).
+
+    Returns:
+        A :class:`Checkpoint`; no tensor data has been read.
+
+    Raises:
+        FileNotFoundError: the path does not exist.
+        MissingShardError: the index names a shard that is absent.
+        CorruptCheckpointError: a file is truncated or its header is unreadable.
+        UnsupportedCheckpointError: nothing loadable was found.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: no such file or folder")
+    if p.is_file():
+        if p.suffix == ".safetensors":
+            return _open_safetensors_files(p, None, [p])
+        if p.suffix in LEGACY_SUFFIXES:
+            return _open_legacy(p)
+        raise UnsupportedCheckpointError(f"{p}: not a .safetensors, .bin or .pt file")
+    index = p / INDEX_NAME
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as exc:
+            raise CorruptCheckpointError(f"{index}: unreadable index ({exc})") from exc
+        shards = sorted(set(weight_map.values()))
+        missing = [s for s in shards if not (p / s).is_file()]
+        if missing:
+            raise MissingShardError(f"{p}: shard(s) named in {INDEX_NAME} are absent: {', '.join(missing)}")
+        return _open_safetensors_files(p, {k: p / v for k, v in weight_map.items()}, [p / s for s in shards])
+    if (p / SINGLE_NAME).is_file():
+        return _open_safetensors_files(p, None, [p / SINGLE_NAME])
+    singles = sorted(p.glob("*.safetensors"))
+    if len(singles) == 1 and not (p / "adapter_config.json").exists():
+        return _open_safetensors_files(p, None, singles)
+    for legacy in ("pytorch_model.bin", "model.pt", "model.bin"):
+        if (p / legacy).is_file():
+            return _open_legacy(p / legacy)
+    raise UnsupportedCheckpointError(
+        f"{p}: no model.safetensors, {INDEX_NAME}, single *.safetensors or pytorch_model.bin found")
+
+
+# ------------------------------------------------------------------------------------------
+# Experts: dense checkpoints or LoRA adapters, both seen as task vectors τ = θ − θ₀.
+# ------------------------------------------------------------------------------------------
+class Expert(Protocol):
+    """What the engine needs of an expert: its tensors' metadata and its task vector per tensor."""
+
+    path: Path
+
+    def keys(self) -> list[str]: ...
+
+    def meta(self, name: str) -> TensorMeta: ...
+
+    def task_vector(self, name: str, base: torch.Tensor) -> torch.Tensor:
+        """τ for ``name`` as float32, given θ₀'s tensor (any dtype, same shape)."""
+        ...
+
+    def sha256(self) -> str: ...
+
+    def close(self) -> None: ...
+
+
+class DenseExpert:
+    """A full fine-tuned checkpoint used as an expert: τ = θ − θ₀ computed in float32."""
+
+    def __init__(self, ckpt: Checkpoint):
+        self.ckpt = ckpt
+        self.path = ckpt.path
+
+    def keys(self) -> list[str]:
+        return self.ckpt.keys()
+
+    def meta(self, name: str) -> TensorMeta:
+        return self.ckpt.meta(name)
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.ckpt.get(name)
+
+    def task_vector(self, name: str, base: torch.Tensor) -> torch.Tensor:
+        """τ = θ − θ₀ in float32 (computed in place in the freshly read expert buffer)."""
+        t = self.ckpt.get(name)
+        t = t.float() if t.dtype != torch.float32 else t
+        return t.sub_(base.to(t.device, torch.float32))
+
+    def sha256(self) -> str:
+        return self.ckpt.sha256()
+
+    def close(self) -> None:
+        self.ckpt.close()
+
+
+_LORA_KEY = re.compile(r"^(?P<module>.+)\.(?P<kind>lora_A|lora_B|lora_embedding_A|lora_embedding_B)"
+                       r"(?:\.(?P<adapter>[^.]+))?(?:\.weight)?$")
+_LORA_UNSUPPORTED_FLAGS = {
+    "use_dora": "DoRA (weight-decomposed LoRA) cannot be represented as a dense additive delta",
+    "lora_bias": "LoRA with a trained bias term is not supported",
+    "layer_replication": "layer replication changes the architecture",
+    "target_parameters": "LoRA on raw parameters (target_parameters) is not supported",
+}
+
+
+class LoraExpert:
+    """A PEFT LoRA adapter folder presented as dense task vectors.
+
+    For each target weight W (out × in): τ = scaling · B @ A with scaling = lora_alpha / r, or
+    lora_alpha / √r with ``use_rslora`` (Kalajdzievski 2023, rsLoRA). ``fan_in_fan_out`` transposes
+    the delta (Conv1D-style weights stored in × out); embedding adapters use τ = (B @ A)ᵀ. Weights
+    the adapter does not target have τ = 0. ``alpha_pattern`` and ``rank_pattern`` are honoured
+    (r is read from A's shape).
+
+    Raises:
+        UnsupportedCheckpointError: DoRA, a non-LORA ``peft_type``, ``modules_to_save``, trained
+            LoRA biases, conv LoRA, or any other variant that is not ``scale · B @ A``.
+    """
+
+    def __init__(self, folder: Path, base_keys: list[str], base_meta):
+        self.path = folder
+        cfg_path = folder / "adapter_config.json"
+        try:
+            cfg = json.loads(cfg_path.read_text())
+        except ValueError as exc:
+            raise CorruptCheckpointError(f"{cfg_path}: unreadable JSON ({exc})") from exc
+        self.config = cfg
+        peft_type = str(cfg.get("peft_type", "LORA")).upper()
+        if peft_type != "LORA":
+            raise UnsupportedCheckpointError(f"{folder}: peft_type {peft_type} is not LoRA; only LoRA adapters fold")
+        for flag, why in _LORA_UNSUPPORTED_FLAGS.items():
+            if cfg.get(flag):
+                raise UnsupportedCheckpointError(f"{folder}: adapter sets {flag}: {why}")
+        if cfg.get("modules_to_save"):
+            raise UnsupportedCheckpointError(
+                f"{folder}: adapter has modules_to_save {cfg['modules_to_save']}: full module copies are "
+                "not a LoRA delta; merge them into a dense expert first")
+        weights = folder / "adapter_model.safetensors"
+        if not weights.is_file():
+            legacy = folder / "adapter_model.bin"
+            if legacy.is_file():
+                self._ckpt = _open_legacy(legacy)
+            else:
+                raise UnsupportedCheckpointError(f"{folder}: adapter_model.safetensors is missing")
+        else:
+            self._ckpt = _open_safetensors_files(weights, None, [weights])
+        self.fan_in_fan_out = bool(cfg.get("fan_in_fan_out", False))
+        self.use_rslora = bool(cfg.get("use_rslora", False))
+        self.lora_alpha = float(cfg.get("lora_alpha", 8))
+        self.alpha_pattern: dict[str, float] = cfg.get("alpha_pattern") or {}
+        pairs: dict[str, dict[str, str]] = {}
+        for k in self._ckpt.keys():
+            m = _LORA_KEY.match(k)
+            if not m:
+                raise UnsupportedCheckpointError(f"{folder}: adapter tensor {k!r} is not a LoRA A/B matrix")
+            module = m["module"]
+            if module.startswith("base_model.model."):
+                module = module[len("base_model.model."):]
+            kind = m["kind"].replace("embedding_", "")
+            pairs.setdefault(module, {})[kind] = k
+            if "embedding" in m["kind"]:
+                pairs[module]["embedding"] = "1"
+        self._targets: dict[str, dict[str, str]] = {}
+        base_set = set(base_keys)
+        for module, kinds in pairs.items():
+            if "lora_A" not in kinds or "lora_B" not in kinds:
+                raise CorruptCheckpointError(f"{folder}: module {module!r} has only one of lora_A / lora_B")
+            a_shape = self._ckpt.meta(kinds["lora_A"]).shape
+            if len(a_shape) != 2:
+                raise UnsupportedCheckpointError(
+                    f"{folder}: module {module!r} has a {len(a_shape)}-D LoRA matrix (conv LoRA is not supported)")
+            target = self._resolve(module + ".weight", base_set)
+            if target is None:
+                raise ExtraKeyError(
+                    f"LoRA target {module}.weight (adapter {folder}) has no matching tensor in the base")
+            self._targets[target] = kinds
+        self._base_meta = base_meta
+        self._sha: str | None = None
+
+    @staticmethod
+    def _resolve(key: str, base_set: set[str]) -> str | None:
+        if key in base_set:
+            return key
+        hits = [b for b in base_set if b.endswith("." + key) or key.endswith("." + b)]
+        return hits[0] if len(hits) == 1 else None
+
+    def _scaling(self, module: str, r: int) -> float:
+        alpha = self.lora_alpha
+        for pattern, value in self.alpha_pattern.items():
+            if re.fullmatch(rf"(.*\.)?{pattern}", module):
+                alpha = float(value)
+        return alpha / math.sqrt(r) if self.use_rslora else alpha / r
+
+    def keys(self) -> list[str]:
+        """The base weights this adapter changes (others have τ = 0)."""
+        return list(self._targets)
+
+    def meta(self, name: str) -> TensorMeta:
+        return self._base_meta(name)
+
+    def delta_shape(self, name: str) -> tuple[int, ...]:
+        kinds = self._targets[name]
+        a = self._ckpt.meta(kinds["lora_A"]).shape
+        b = self._ckpt.meta(kinds["lora_B"]).shape
+        shape = (b[0], a[1])
+        if self.fan_in_fan_out or "embedding" in kinds:
+            shape = shape[::-1]
+        return shape
+
+    def task_vector(self, name: str, base: torch.Tensor) -> torch.Tensor:
+        """τ = scaling · B @ A (float32) for a target; zeros of θ₀'s shape otherwise."""
+        kinds = self._targets.get(name)
+        if kinds is None:
+            return torch.zeros(base.shape, dtype=torch.float32, device=base.device)
+        a = self._ckpt.get(kinds["lora_A"]).to(base.device, torch.float32)
+        b = self._ckpt.get(kinds["lora_B"]).to(base.device, torch.float32)
+        delta = (b @ a).mul_(self._scaling(name.rsplit(".", 1)[0], a.shape[0]))
+        if self.fan_in_fan_out or "embedding" in kinds:
+            delta = delta.T.contiguous()
+        return delta
+
+    def sha256(self) -> str:
+        if self._sha is None:
+            h = hashlib.sha256()
+            h.update((self.path / "adapter_config.json").read_bytes())
+            h.update(bytes.fromhex(self._ckpt.sha256()))
+            self._sha = h.hexdigest()
+        return self._sha
+
+    def close(self) -> None:
+        self._ckpt.close()
+
+
+def is_lora_adapter(path: str | os.PathLike) -> bool:
+    p = Path(path)
+    return p.is_dir() and (p / "adapter_config.json").is_file()
+
+
+def open_expert(path: str | os.PathLike, base: Checkpoint) -> DenseExpert | LoraExpert:
+    """Open an expert against its base θ₀: a dense checkpoint or a PEFT LoRA adapter folder."""
+    if is_lora_adapter(path):
+        return LoraExpert(Path(path), base.keys(), base.meta)
+    return DenseExpert(open_checkpoint(path))
+
+
+def default_expert_id(path: str | os.PathLike) -> str:
+    """``e2.safetensors`` -> ``e2``; a folder -> its name."""
+    p = Path(path)
+    name = p.name or p.resolve().name
+    for suffix in (".safetensors", *LEGACY_SUFFIXES):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+# ------------------------------------------------------------------------------------------
+# Validation
+# ------------------------------------------------------------------------------------------
+def validate_against_base(base: Checkpoint, other: Checkpoint | DenseExpert | LoraExpert, *,
+                          role: str = "expert", check_finite: bool = True) -> None:
+    """Check that ``other`` fits θ₀ before any heavy work.
+
+    Order of checks: key sets, then per tensor shape, dtype; then a streaming pass that compares
+    integer/bool tensors with θ₀ bit for bit and (``check_finite``) rejects NaN/±Inf.
+
+    Raises:
+        MissingKeyError, ExtraKeyError, ShapeMismatchError, VocabularyGrownError,
+        DtypeMismatchError, FrozenTensorMismatchError, NonFiniteError: each names the tensor and
+        both sides.
+    """
+    where = str(other.path)
+    if isinstance(other, LoraExpert):
+        for name in other.keys():
+            want = base.meta(name).shape
+            got = other.delta_shape(name)
+            if got != want:
+                raise ShapeMismatchError(
+                    f"LoRA delta for {name}: shape {list(got)} in {role} {where} vs {list(want)} in base {base.path}")
+        if check_finite:
+            for name in other.keys():
+                tau = other.task_vector(name, torch.zeros(()))
+                if not torch.isfinite(tau).all():
+                    raise NonFiniteError(f"tensor {name}: LoRA delta of {role} {where} holds NaN or Inf")
+        return
+    base_keys, other_keys = set(base.keys()), set(other.keys())
+    missing = [k for k in base.keys() if k not in other_keys]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise MissingKeyError(f"tensor {missing[0]} is in base {base.path} but missing from {role} {where}{more}")
+    extra = [k for k in other.keys() if k not in base_keys]
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise ExtraKeyError(f"tensor {extra[0]} is in {role} {where} but not in base {base.path}{more}")
+    for name in base.keys():
+        b, o = base.meta(name), other.meta(name)
+        if b.shape != o.shape:
+            if is_embedding_name(name) and len(b.shape) == 2 and b.shape[1:] == o.shape[1:]:
+                raise VocabularyGrownError(
+                    f"tensor {name}: {role} {where} has {o.shape[0]} embedding rows, base {base.path} has "
+                    f"{b.shape[0]}: the vocabulary was resized. Hint: fine-tune from the base's tokenizer, "
+                    "or resize the base's embeddings the same way before merging")
+            raise ShapeMismatchError(
+                f"tensor {name}: shape {list(o.shape)} in {role} {where} vs {list(b.shape)} in base {base.path}")
+        if b.dtype != o.dtype:
+            raise DtypeMismatchError(
+                f"tensor {name}: dtype {o.dtype} in {role} {where} vs {b.dtype} in base {base.path}")
+    reader = other.ckpt if isinstance(other, DenseExpert) else other
+    for name in base.keys():
+        dtype = base.meta(name).dtype
+        if not is_float_dtype(dtype):
+            if not torch.equal(reader.get(name), base.get(name)):
+                raise FrozenTensorMismatchError(
+                    f"tensor {name} ({dtype}) differs between {role} {where} and base {base.path}; "
+                    "integer/bool tensors are never merged and must equal the base")
+        elif check_finite:
+            t = reader.get(name)
+            if not torch.isfinite(t).all():
+                bad = int((~torch.isfinite(t)).sum())
+                raise NonFiniteError(f"tensor {name}: {role} {where} holds {bad} NaN/Inf value(s)")
+
+
+def tied_groups(ckpt: Checkpoint) -> dict[str, str]:
+    """Aliases among tensors that share storage in the base (e.g. embeddings tied to the LM head).
+
+    Only candidate pairs (an embedding-like name and an LM-head-like name of equal shape and dtype)
+    are compared, so this reads at most a few tensors.
+
+    Returns:
+        ``{alias: primary}``: the alias is written as an exact copy of the primary's result.
+    """
+    metas = ckpt.metas()
+    heads = [m for m in metas if re.search(r"(lm_head|embed_out|output)\.weight$", m.name)]
+    embeds = [m for m in metas if re.search(r"(embed_tokens|word_embeddings|wte|shared)\.weight$", m.name)]
+    out: dict[str, str] = {}
+    for h in heads:
+        for e in embeds:
+            if h.shape == e.shape and h.dtype == e.dtype and torch.equal(ckpt.get(h.name), ckpt.get(e.name)):
+                out[h.name] = e.name
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# Writers
+# ------------------------------------------------------------------------------------------
+def _header_bytes(entries: list[tuple[str, tuple[int, ...], torch.dtype, int, int]],
+                  metadata: dict[str, str] | None) -> bytes:
+    header: dict[str, object] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    for name, shape, dtype, start, end in entries:
+        header[name] = {"dtype": TORCH_TO_ST[dtype], "shape": list(shape), "data_offsets": [start, end]}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the format aligns tensor data on 8 bytes
+    return len(raw).to_bytes(8, "little") + raw
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    t = t.detach().contiguous().cpu()
+    return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
+class ModelWriter:
+    """Write a (sharded) safetensors model whose tensors' shapes and dtypes are known in advance.
+
+    Shards are planned at construction (greedy, in the given order, at most ``max_shard_bytes`` of
+    tensor data each); every shard's header is written immediately, and :meth:`write` puts a
+    tensor's bytes at its final offset with ``os.pwrite``, so tensors may arrive in any order (e.g.
+    from a thread pool) and nothing is buffered. One shard: ``{prefix}.safetensors``; several:
+    ``{prefix}-0000i-of-0000n.safetensors`` plus ``{prefix}.safetensors.index.json``.
+
+    Args:
+        folder: an existing (staging) folder.
+        metas: every tensor to be written, in file order.
+        metadata: string metadata stored in every shard's header.
+        max_shard_bytes: byte cap of tensor data per shard (a larger single tensor gets its own shard).
+
+    Raises:
+        KeyError/ValueError from :meth:`write` for an unplanned tensor or a wrong shape/dtype;
+        RuntimeError from :meth:`close` if a planned tensor was never written.
+    """
+
+    def __init__(self, folder: Path, metas: list[TensorMeta], metadata: dict[str, str] | None = None,
+                 max_shard_bytes: int = DEFAULT_SHARD_BYTES, prefix: str = "model"):
+        self.folder = Path(folder)
+        shards: list[list[TensorMeta]] = [[]]
+        size = 0
+        for m in metas:
+            if shards[-1] and size + m.nbytes > max_shard_bytes:
+                shards.append([])
+                size = 0
+            shards[-1].append(m)
+            size += m.nbytes
+        n = len(shards)
+        self.files: list[Path] = []
+        self._where: dict[str, tuple[int, int, TensorMeta]] = {}
+        self._fds: list[int] = []
+        for i, group in enumerate(shards):
+            fname = f"{prefix}.safetensors" if n == 1 else f"{prefix}-{i + 1:05d}-of-{n:05d}.safetensors"
+            entries, off = [], 0
+            for m in group:
+                entries.append((m.name, m.shape, m.dtype, off, off + m.nbytes))
+                off += m.nbytes
+            head = _header_bytes(entries, metadata)
+            path = self.folder / fname
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            _pwrite_all(fd, memoryview(head), 0)
+            os.ftruncate(fd, len(head) + off)
+            for name, _, _, start, _ in entries:
+                self._where[name] = (len(self._fds), len(head) + start, self._meta(group, name))
+            self._fds.append(fd)
+            self.files.append(path)
+        self._pending = set(self._where)
+        self.bytes_written = 0
+        if n > 1:
+            weight_map = {m.name: self.files[i].name for i, g in enumerate(shards) for m in g}
+            total = sum(m.nbytes for m in metas)
+            index = {"metadata": {"total_size": total, **(metadata or {})}, "weight_map": weight_map}
+            (self.folder / f"{prefix}.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+    @staticmethod
+    def _meta(group: list[TensorMeta], name: str) -> TensorMeta:
+        return next(m for m in group if m.name == name)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Write one planned tensor (must match the planned shape and dtype exactly)."""
+        shard, offset, meta = self._where[name]
+        if tuple(tensor.shape) != meta.shape or tensor.dtype != meta.dtype:
+            raise ValueError(f"{name}: got {tuple(tensor.shape)} {tensor.dtype}, planned {meta.shape} {meta.dtype}")
+        data = _tensor_bytes(tensor)
+        _pwrite_all(self._fds[shard], data, offset)
+        self.bytes_written += len(data)
+        self._pending.discard(name)
+
+    def close(self) -> None:
+        """fsync and close every shard; raises RuntimeError if a planned tensor is missing."""
+        for fd in self._fds:
+            os.fsync(fd)
+            os.close(fd)
+        self._fds = []
+        if self._pending:
+            raise RuntimeError(f"tensors planned but never written: {sorted(self._pending)[:5]}")
+
+    def abort(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+
+
+class SpoolWriter:
+    """Write one safetensors file whose tensors are only known as they are produced.
+
+    Tensor bytes are appended to a spool file next to the target; :meth:`close` writes the header
+    and copies the spool after it in chunks, so memory stays at one chunk. Used for policy state.
+    """
+
+    def __init__(self, path: Path, metadata: dict[str, str] | None = None):
+        self.path = Path(path)
+        self._metadata = metadata
+        self._spool = open(self.path.with_name(self.path.name + ".spool"), "w+b")
+        self._entries: list[tuple[str, tuple[int, ...], torch.dtype, int, int]] = []
+        self._offset = 0
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        data = _tensor_bytes(tensor)
+        self._spool.write(data)
+        self._entries.append((name, tuple(tensor.shape), tensor.dtype, self._offset, self._offset + len(data)))
+        self._offset += len(data)
+
+    def close(self) -> None:
+        self._spool.flush()
+        self._spool.seek(0)
+        with open(self.path, "wb") as out:
+            out.write(_header_bytes(self._entries, self._metadata))
+            shutil.copyfileobj(self._spool, out, 16 * 1024 * 1024)
+            out.flush()
+            os.fsync(out.fileno())
+        self._spool.close()
+        os.unlink(self._spool.name)
+
+    def abort(self) -> None:
+        self._spool.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._spool.name)
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so that renames inside it are durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def staged_output(out: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a sibling temporary folder; rename it to ``out`` on success, delete it on error.
+
+    Raises:
+        OutputExistsError: ``out`` exists and ``overwrite`` is False (checked before any work).
+    """
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise OutputExistsError(f"{out} already exists; choose a new output path")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=out.parent))
+    try:
+        yield stage
+        fsync_dir(stage)
+        if out.exists() and overwrite:
+            trash = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
+            os.rename(out, trash)
+            os.rename(stage, out)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.rename(stage, out)
+        fsync_dir(out.parent)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+
+
+def copy_aux_files(src: Checkpoint, dest: Path) -> list[str]:
+    """Copy the base's non-weight files (config.json, tokenizer files, ...) into ``dest``."""
+    copied = []
+    for f in src.aux_files():
+        shutil.copy2(f, dest / f.name)
+        copied.append(f.name)
+    return copied
+
+
+def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Load a whole (small) checkpoint into memory; meant for tests and small models only."""
+    with open_checkpoint(path) as ck:
+        return {k: ck.get(k) for k in ck.keys()}

@@ -1,0 +1,1 @@
+"""The long-running service (sources, ledger, store, probes, gate, metrics, tracking)."""

@@ -1,0 +1,71 @@
+"""Exceptions raised by mergestream.
+
+Every error a user can cause with bad input derives from :class:`MergestreamError`; the CLI turns
+it into a one-line message and a non-zero exit code, and the daemon records it as a rejection.
+"""
+
+from __future__ import annotations
+
+
+class MergestreamError(Exception):
+    """Base class of every error caused by input, configuration or state (not by a bug)."""
+
+
+class CheckpointError(MergestreamError):
+    """A checkpoint cannot be opened or read."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A weight file is truncated, has an unreadable header, or cannot be parsed."""
+
+
+class MissingShardError(CheckpointError):
+    """A shard named in ``model.safetensors.index.json`` is absent."""
+
+
+class UnsupportedCheckpointError(CheckpointError):
+    """The path is not a format mergestream reads (or a LoRA variant it cannot represent)."""
+
+
+class ValidationError(MergestreamError):
+    """An expert or backbone does not fit the base θ₀ (raised before any heavy work)."""
+
+
+class MissingKeyError(ValidationError):
+    """A tensor of the base is absent from the expert."""
+
+
+class ExtraKeyError(ValidationError):
+    """The expert has a tensor the base does not have."""
+
+
+class ShapeMismatchError(ValidationError):
+    """A tensor's shape differs between the base and the expert."""
+
+
+class VocabularyGrownError(ShapeMismatchError):
+    """An embedding matrix has more (or fewer) rows than the base: the vocabulary was resized."""
+
+
+class DtypeMismatchError(ValidationError):
+    """A tensor's dtype differs between the base and the expert."""
+
+
+class FrozenTensorMismatchError(ValidationError):
+    """An integer/bool tensor (position ids, counters) differs from the base; those are never merged."""
+
+
+class NonFiniteError(ValidationError):
+    """A tensor holds NaN or ±Inf (in an expert, or in a fold's result after the cast)."""
+
+
+class PolicyError(MergestreamError):
+    """Unknown policy, bad policy parameters, or a policy used where it cannot work."""
+
+
+class StateError(MergestreamError):
+    """The policy state folder is missing, inconsistent with the backbone, or lacks an expert."""
+
+
+class OutputExistsError(MergestreamError):
+    """The output path already exists; mergestream never overwrites a model in place."""

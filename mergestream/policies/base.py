@@ -1,0 +1,156 @@
+"""The policy protocol: pure per-tensor functions that compute a fold's Δ_t.
+
+A policy never does I/O. The engine hands it, for one tensor at a time, θ₀, θ_{t−1} and τ as
+float32 tensors of the same shape, plus that tensor's policy state (a dict of tensors the policy
+returned at the previous fold, empty at the first), and gets back Δ_t (float32) and the new state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from pydantic import BaseModel, ConfigDict
+from pydantic import ValidationError as PydanticValidationError
+
+from ..errors import PolicyError
+
+Tensor = torch.Tensor
+TensorState = dict[str, Tensor]
+
+
+class PolicyParams(BaseModel):
+    """Base of every policy's parameters: frozen, unknown names are an error."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+
+@dataclass(frozen=True)
+class TensorContext:
+    """What a policy may know about the tensor it folds, besides the tensors themselves.
+
+    Attributes:
+        name: tensor name in the checkpoint.
+        n_previous: number of experts already folded into θ_{t−1}.
+        coefficients: the scaling coefficient each previous fold used (policies that keep one).
+        is_embedding: the tensor is an embedding matrix or (tied) LM head.
+        seed: a per-tensor seed for anything random (stable across runs).
+    """
+
+    name: str
+    n_previous: int = 0
+    coefficients: tuple[float, ...] = ()
+    is_embedding: bool = False
+    seed: int = 0
+
+
+@dataclass
+class TensorFold:
+    """A policy's answer for one tensor.
+
+    Attributes:
+        delta: Δ_t, float32, θ's shape; the engine writes cast(θ_{t−1} + Δ_t).
+        state: the new per-tensor policy state (float32/int tensors), persisted by the engine.
+        stats: scalars worth logging (kept fraction, recovery loss, ...).
+    """
+
+    delta: Tensor
+    state: TensorState = field(default_factory=dict)
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+class Policy:
+    """Base class of merge policies.
+
+    Subclasses set ``name`` and ``Params`` and implement :meth:`fold_tensor`. The defaults make
+    every additive policy unmergeable by ``subtract`` (the engine stores each fold's float32
+    contribution) and give an offline K-way :meth:`merge_tensor` that folds the task vectors one by
+    one in memory.
+    """
+
+    name: ClassVar[str] = ""
+    Params: ClassVar[type[PolicyParams]] = PolicyParams
+    #: the fold's coefficient recorded per expert (used by policies whose backbone is rebuilt from
+    #: state with coefficients, e.g. MDM-OC); None for the others.
+    coefficient_param: ClassVar[str | None] = None
+    #: True when :meth:`contribution` rebuilds each fold's contribution from the state, so the
+    #: engine need not store contributions separately.
+    contributions_in_state: ClassVar[bool] = False
+
+    def __init__(self, params: dict[str, Any] | PolicyParams | None = None):
+        if isinstance(params, PolicyParams):
+            self.params = params
+        else:
+            try:
+                self.params = self.Params(**(params or {}))
+            except PydanticValidationError as exc:
+                errs = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'params'}: {e['msg']}" for e in exc.errors())
+                raise PolicyError(f"policy {self.name}: bad parameters: {errs}") from None
+
+    def describe(self) -> dict[str, Any]:
+        """Parameters as a JSON-able dict, with METHODS.md names (``lambda``, ``k``, ...)."""
+        return self.params.model_dump(by_alias=True)
+
+    def coefficient(self) -> float | None:
+        """The coefficient this fold uses for the new expert (recorded in the state manifest)."""
+        return None if self.coefficient_param is None else float(getattr(self.params, self.coefficient_param))
+
+    def fold_tensor(self, base: Tensor, backbone: Tensor, tau: Tensor, state: TensorState,
+                    ctx: TensorContext) -> TensorFold:
+        """Compute Δ_t for one tensor.
+
+        Args:
+            base: θ₀, float32, shape S.
+            backbone: θ_{t−1}, float32, shape S.
+            tau: τ = θ_expert − θ₀, float32, shape S (may be modified in place by the policy).
+            state: this tensor's state from the previous fold (empty dict at the first fold).
+            ctx: see :class:`TensorContext`.
+
+        Returns:
+            :class:`TensorFold` with Δ_t float32 of shape S.
+        """
+        raise NotImplementedError
+
+    def merge_tensor(self, base: Tensor, taus: list[Tensor], ctx: TensorContext) -> Tensor:
+        """Offline merge of K task vectors (float32, shape S) into one Δ (θ = θ₀ + Δ).
+
+        Default: fold them one by one in memory, in the given order.
+        """
+        backbone = base.clone()
+        state: TensorState = {}
+        coeffs: list[float] = []
+        for i, tau in enumerate(taus):
+            c = TensorContext(ctx.name, i, tuple(coeffs), ctx.is_embedding, ctx.seed)
+            out = self.fold_tensor(base, backbone, tau.clone(), state, c)
+            backbone += out.delta
+            state = out.state
+            if (cf := self.coefficient()) is not None:
+                coeffs.append(cf)
+        return backbone - base
+
+    def contribution(self, state: TensorState, index: int, coefficient: float | None,
+                     shape: torch.Size) -> Tensor | None:
+        """Fold ``index``'s float32 contribution rebuilt from state, or None to use the stored one."""
+        return None
+
+    def drop_from_state(self, state: TensorState, index: int) -> TensorState:
+        """The per-tensor state after expert ``index`` is subtract-unmerged (default: unchanged)."""
+        return state
+
+    def rebuild(self, base: Tensor, state: TensorState, coefficients: list[float]) -> Tensor | None:
+        """θ = θ₀ + Σ cᵢ dᵢ from state for policies that support re-weighting (else None)."""
+        return None
+
+
+def make_policy(name: str, params: dict[str, Any] | None = None) -> Policy:
+    """Instantiate a registered policy by name.
+
+    Raises:
+        PolicyError: unknown name or invalid parameters.
+    """
+    from . import REGISTRY
+
+    if name not in REGISTRY:
+        raise PolicyError(f"unknown policy {name!r}; known: {', '.join(sorted(REGISTRY))}")
+    return REGISTRY[name](params)

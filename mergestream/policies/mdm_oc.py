@@ -1,0 +1,236 @@
+"""MDM-OC: orthogonal deltas, reversible merging (Khan et al., arXiv 2507.20997).
+
+Per tensor (METHODS.md §mdm_oc):
+
+1. δ⊥ = τ − Σⱼ ⟨τ, qⱼ⟩ qⱼ over the stored orthonormal directions qⱼ of earlier experts (modified
+   Gram–Schmidt, re-orthogonalised once): the projection onto the null space of the stored basis,
+   so ⟨δᵢ⊥, δⱼ⊥⟩ = 0 for i ≠ j (paper §3.1, eq. 3-4).
+2. Factored form (``rank`` > 0, 2-D weights): each direction is kept as rank-r factors
+   δⱼ = Lⱼ Rⱼᵀ with Rⱼ (n × r) orthonormal and all R's mutually orthogonal: τ is projected out of
+   the union of the earlier right subspaces, τ' = τ (I − R Rᵀ), and truncated to its top-r SVD.
+   Frobenius orthogonality follows from RᵢᵀRⱼ = 0 (paper §3.3, scalable form); state
+   O(k·(m+n)·r) instead of O(k·m·n). The truncation drops τ's energy outside its top r directions
+   — our choice of the subspace variant (right side).
+3. θ = θ₀ + Σ αᵢ δᵢ⊥ (eq. 5). Coefficients fixed (α = ``alpha``) or optimised with CMA-ES over all α
+   jointly with a quadratic stability penalty on moving earlier α (eq. 7, the EWC-style term):
+   see :func:`cmaes_coefficients`.
+4. Unmerge expert k: θ − α_k δ_k⊥ (exact up to rounding); the state drops direction k.
+
+State per tensor: vector form ``Q`` (k, numel) unit directions and ``norms`` (k,); factored form
+``L`` (m, k·r), ``R`` (n, k·r) and ``norms`` (k,).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+import numpy as np
+import torch
+from pydantic import Field
+
+from .base import Policy, PolicyParams, Tensor, TensorContext, TensorFold, TensorState
+
+log = logging.getLogger(__name__)
+
+
+def gram_schmidt(tau: Tensor, basis: Tensor, *, passes: int = 2) -> Tensor:
+    """Project a flat vector onto the null space of an orthonormal basis (modified Gram–Schmidt).
+
+    Args:
+        tau: (N,) float32 vector (not modified).
+        basis: (k, N) float32 rows orthonormal (zero rows allowed).
+        passes: 2 = re-orthogonalise once ("twice is enough", Giraud et al. 2005).
+
+    Returns:
+        (N,) float32 δ⊥ with ⟨δ⊥, basis[j]⟩ ≈ 0 for every j.
+    """
+    out = tau.clone()
+    for _ in range(passes):
+        for j in range(basis.shape[0]):
+            q = basis[j]
+            out.sub_(q, alpha=float(torch.dot(q, out)))
+    return out
+
+
+def orthogonal_factors(tau: Tensor, r_prev: Tensor, rank: int, *, seed: int = 0) -> tuple[Tensor, Tensor]:
+    """Factored orthogonal direction: δ⊥ = L Rᵀ with R ⟂ every column of ``r_prev``.
+
+    Args:
+        tau: (m, n) float32.
+        r_prev: (n, p) float32 earlier right factors, orthonormal columns (zero columns allowed).
+        rank: r.
+
+    Returns:
+        L (m, r) and R (n, r) float32; R's columns orthonormal and orthogonal to r_prev (zero
+        columns where the null space is exhausted).
+    """
+    m, n = tau.shape
+    proj = tau.clone()
+    for _ in range(2):
+        if r_prev.shape[1]:
+            proj -= (proj @ r_prev) @ r_prev.T
+    room = n - int((r_prev.abs().sum(0) > 0).sum())
+    r_eff = max(0, min(rank, m, room))
+    R = tau.new_zeros(n, rank)
+    if r_eff == 0:
+        return tau.new_zeros(m, rank), R
+    if min(m, n) <= 512:
+        _, _, vh = torch.linalg.svd(proj.double(), full_matrices=False)
+        v = vh[:r_eff].T.float()
+    else:
+        g = torch.random.get_rng_state()
+        torch.manual_seed(seed)
+        try:
+            _, _, v = torch.svd_lowrank(proj, q=min(r_eff + 10, m, n), niter=3)
+        finally:
+            torch.random.set_rng_state(g)
+        v = v[:, :r_eff]
+    for _ in range(2):  # re-orthogonalise against the earlier factors, then among themselves
+        if r_prev.shape[1]:
+            v = v - r_prev @ (r_prev.T @ v)
+        v, _ = torch.linalg.qr(v)
+    R[:, :r_eff] = v
+    L = proj @ R
+    return L, R
+
+
+class MdmOcParams(PolicyParams):
+    alpha: float = Field(0.3, description="fixed coefficient α of each new direction (also CMA-ES start)")
+    rank: int = Field(0, ge=0, description="0: vector Gram–Schmidt; r > 0: factored rank-r directions for 2-D weights")
+    coefficients: Literal["fixed", "cmaes"] = Field("fixed", description="fixed α or CMA-ES on an objective")
+    stability: float = Field(1.0, ge=0, description="weight of the penalty on moving earlier α")
+    budget: int = Field(40, ge=1, description="CMA-ES objective evaluations")
+    sigma: float = Field(0.1, gt=0, description="CMA-ES initial step size")
+    min_norm_ratio: float = Field(1e-6, ge=0, description="δ⊥ smaller than this fraction of ‖τ‖ is dropped")
+
+
+class MdmOc(Policy):
+    """MDM-OC (Khan et al. 2025); see the module docstring."""
+
+    name = "mdm_oc"
+    Params = MdmOcParams
+    coefficient_param = "alpha"
+    contributions_in_state = True
+
+    def fold_tensor(self, base: Tensor, backbone: Tensor, tau: Tensor, state: TensorState,
+                    ctx: TensorContext) -> TensorFold:
+        p = self.params
+        tau_norm = float(tau.norm())
+        norms = state.get("norms", tau.new_zeros(0))
+        if p.rank > 0 and tau.ndim == 2:
+            L_prev = state.get("L", tau.new_zeros(tau.shape[0], 0))
+            R_prev = state.get("R", tau.new_zeros(tau.shape[1], 0))
+            L, R = orthogonal_factors(tau, R_prev, p.rank, seed=ctx.seed)
+            norm = float(L.norm())
+            if norm <= p.min_norm_ratio * tau_norm or norm == 0.0:
+                L.zero_(), R.zero_()
+                norm = 0.0
+            direction = L @ R.T
+            new_state = {"L": torch.cat([L_prev, L], 1), "R": torch.cat([R_prev, R], 1),
+                         "norms": torch.cat([norms, norms.new_tensor([norm])])}
+        else:
+            Q = state.get("Q", tau.new_zeros(0, tau.numel()))
+            direction = gram_schmidt(tau.reshape(-1), Q)
+            norm = float(direction.norm())
+            if norm <= p.min_norm_ratio * tau_norm or norm == 0.0:
+                direction.zero_()
+                norm = 0.0
+            unit = direction / norm if norm > 0 else direction
+            new_state = {"Q": torch.cat([Q, unit[None]], 0), "norms": torch.cat([norms, norms.new_tensor([norm])])}
+            direction = direction.view_as(tau)
+        kept = norm / tau_norm if tau_norm > 0 else 0.0
+        return TensorFold(direction.mul_(p.alpha), new_state, {"orthogonal_fraction": kept})
+
+    def _direction(self, state: TensorState, index: int, shape: torch.Size) -> Tensor:
+        if "Q" in state:
+            return (state["Q"][index] * state["norms"][index]).view(shape)
+        r = state["L"].shape[1] // state["norms"].shape[0]
+        sl = slice(index * r, (index + 1) * r)
+        return state["L"][:, sl] @ state["R"][:, sl].T
+
+    def contribution(self, state: TensorState, index: int, coefficient: float | None,
+                     shape: torch.Size) -> Tensor | None:
+        """α_k δ_k⊥ for expert ``index`` (float32, ``shape``), rebuilt from the state."""
+        if "norms" not in state:
+            return None
+        return self._direction(state, index, shape).mul_(float(coefficient))
+
+    def drop_from_state(self, state: TensorState, index: int) -> TensorState:
+        keep = [i for i in range(state["norms"].shape[0]) if i != index]
+        out = {"norms": state["norms"][keep]}
+        if "Q" in state:
+            out["Q"] = state["Q"][keep]
+        else:
+            r = state["L"].shape[1] // state["norms"].shape[0]
+            cols = [c for i in keep for c in range(i * r, (i + 1) * r)]
+            out["L"], out["R"] = state["L"][:, cols], state["R"][:, cols]
+        return out
+
+    def rebuild(self, base: Tensor, state: TensorState, coefficients: list[float]) -> Tensor:
+        """θ₀ + Σ αᵢ δᵢ⊥ (float32, θ₀'s shape)."""
+        out = base.clone()
+        if "norms" not in state:
+            return out
+        for i, a in enumerate(coefficients):
+            out += self._direction(state, i, base.shape).mul_(a)
+        return out
+
+
+def cmaes_coefficients(objective: Callable[[np.ndarray], float], start: Sequence[float],
+                       anchor: Sequence[float], *, stability: float = 1.0, budget: int = 40,
+                       sigma: float = 0.1, bounds: tuple[float, float] = (0.0, 2.0),
+                       seed: int = 0) -> tuple[np.ndarray, float, int]:
+    """Optimise all coefficients α jointly with CMA-ES (Hansen 2016; the ``cma`` package).
+
+    Minimises f(α) = objective(α) + stability · Σ_{i<len(anchor)} (αᵢ − anchorᵢ)², MDM-OC eq. 7
+    (the stability term keeps earlier experts' coefficients near their previous values).
+
+    Args:
+        objective: α (np.ndarray, shape (K,)) -> loss, lower is better.
+        start: initial α, shape (K,).
+        anchor: the previous fold's coefficients of the first len(anchor) experts.
+        budget: maximum number of objective evaluations (the start point included).
+
+    Returns:
+        (best α, its penalised loss, evaluations used). Never worse than ``start``: the start
+        point is evaluated first and kept unless something beats it.
+    """
+    import cma
+
+    x0 = np.asarray(start, dtype=float)
+    anc = np.asarray(anchor, dtype=float)
+
+    def penalised(x: np.ndarray) -> float:
+        pen = float(np.sum((x[: len(anc)] - anc) ** 2)) if len(anc) else 0.0
+        return float(objective(np.asarray(x, dtype=float))) + stability * pen
+
+    best_x, best_f = x0.copy(), penalised(x0)
+    evals = 1
+    if budget <= 1:
+        return best_x, best_f, evals
+    if x0.size == 1:  # CMA-ES needs ≥ 2 dimensions: a seeded 1-D Gaussian search on the same budget
+        rng = np.random.default_rng(seed)
+        while evals < budget:
+            x = np.clip(best_x + sigma * rng.standard_normal(1), *bounds)
+            f = penalised(x)
+            evals += 1
+            if f < best_f:
+                best_x, best_f = x, f
+        return best_x, best_f, evals
+    es = cma.CMAEvolutionStrategy(x0, sigma, {"bounds": list(bounds), "seed": seed + 1, "verbose": -9,
+                                              "maxfevals": budget - 1})
+    while not es.stop() and evals < budget:
+        xs = es.ask()
+        xs = xs[: budget - evals]
+        fs = [penalised(np.asarray(x)) for x in xs]
+        evals += len(xs)
+        for x, f in zip(xs, fs):
+            if f < best_f:
+                best_x, best_f = np.asarray(x, dtype=float).copy(), f
+        if len(xs) == es.popsize:
+            es.tell(xs, fs)
+        else:
+            break
+    return best_x, best_f, evals

@@ -1,0 +1,171 @@
+"""SAFE-Merge: risk-aware sparse masking + masked low-rank recovery (Qiu et al., 2026).
+
+Data-free continual merging that protects general knowledge. Per 2-D weight (METHODS.md §safe_merge):
+
+1. general subspace U₀, V₀: top-k singular vectors of θ₀ (computed once, cached in the state);
+2. task-specific subspace U_s, V_s: top-k_s singular vectors of τ_⊥ = (I − U₀U₀ᵀ) τ (I − V₀V₀ᵀ);
+3. risk r = |G| / (|G| + |S| + ε) with G = U₀U₀ᵀ τ V₀V₀ᵀ and S = U_sU_sᵀ τ V_sV_sᵀ;
+4. mask M: the top-ρ fraction of entries by c = (1 − r)·|τ| (exactly round(ρ·numel) entries);
+5. D = M ⊙ τ + M ⊙ (B A), B ∈ ℝ^{m×r} zeros, A ∈ ℝ^{r×n} ~ N(0, 1)/√r;
+6. minimise L = ‖(D − τ) V_new‖²_F + λ_old ‖D V_old‖²_F over A, B with Adam (``steps`` steps,
+   lr = lr_scale · std(τ)); V_new: top right singular vectors of τ; V_old: those of Δ_{t−1}
+   (skipped at the first fold, where Δ_{t−1} = 0);
+7. Δ_t = λ·D.
+
+Tensors that are not 2-D, 2-D tensors with min(shape) < 2k, and embedding matrices: magnitude mask
+with the same ρ, no recovery (our choice, METHODS.md). Randomised SVD (``torch.svd_lowrank``,
+Halko et al. 2011) computes the top singular vectors; exact SVD below 512 columns — our choice.
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+
+from .base import Policy, PolicyParams, Tensor, TensorContext, TensorFold, TensorState
+
+
+def top_singular(w: Tensor, k: int, *, seed: int = 0) -> tuple[Tensor, Tensor]:
+    """Top-k left and right singular vectors of a 2-D float32 matrix.
+
+    Args:
+        w: (m, n) float32.
+        k: number of vectors (clipped to min(m, n)).
+
+    Returns:
+        U (m, k') and V (n, k') float32 with orthonormal columns, k' = min(k, m, n).
+    """
+    k = min(k, *w.shape)
+    if k == 0:
+        return w.new_zeros(w.shape[0], 0), w.new_zeros(w.shape[1], 0)
+    if min(w.shape) <= 512:
+        u, _, vh = torch.linalg.svd(w.double(), full_matrices=False)
+        return u[:, :k].float().contiguous(), vh[:k].T.float().contiguous()
+    gen_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        u, _, v = torch.svd_lowrank(w, q=min(k + 10, *w.shape), niter=3)
+    finally:
+        torch.random.set_rng_state(gen_state)
+    return u[:, :k].contiguous(), v[:, :k].contiguous()
+
+
+def _project(u: Tensor, x: Tensor, v: Tensor) -> Tensor:
+    """U Uᵀ x V Vᵀ for (m, k) U, (m, n) x, (n, k) V."""
+    return u @ (u.T @ x @ v) @ v.T
+
+
+def magnitude_mask(score: Tensor, rho: float) -> Tensor:
+    """Boolean mask of exactly round(ρ·numel) entries with the largest score (``torch.topk``)."""
+    flat = score.reshape(-1)
+    keep = min(flat.numel(), max(0, round(rho * flat.numel())))
+    mask = torch.zeros(flat.numel(), dtype=torch.bool, device=score.device)
+    if keep == flat.numel():
+        mask[:] = True
+    elif keep > 0:
+        mask[torch.topk(flat, keep, sorted=False).indices] = True
+    return mask.view_as(score)
+
+
+def risk_scores(tau: Tensor, u0: Tensor, v0: Tensor, k_s: int, eps: float = 1e-12, seed: int = 0) -> Tensor:
+    """General-knowledge risk r ∈ [0, 1] per entry (steps 2-3 above); (m, n) float32."""
+    g = _project(u0, tau, v0)
+    perp = tau - u0 @ (u0.T @ tau) - (tau @ v0) @ v0.T + g
+    us, vs = top_singular(perp, k_s, seed=seed)
+    s = _project(us, tau, vs)
+    g.abs_()
+    return g / (g + s.abs_() + eps)
+
+
+def masked_recovery(tau: Tensor, mask: Tensor, delta_prev: Tensor | None, *, rank: int, steps: int,
+                    lambda_old: float, lr_scale: float, k_new: int, k_old: int,
+                    seed: int = 0) -> tuple[Tensor, list[float]]:
+    """Steps 5-6: D = M⊙τ + M⊙(BA) with A, B fitted by Adam on the data-free objective.
+
+    Args:
+        tau: (m, n) float32 task vector.
+        mask: (m, n) bool risk-aware mask M.
+        delta_prev: Δ_{t−1} (m, n) float32, or None / all zeros at the first fold (L_old skipped).
+        rank: r of the correction; steps: Adam steps (0 = no recovery).
+
+    Returns:
+        D (m, n) float32, zero outside M; and the loss after each step (first = before any step).
+    """
+    mf = mask.to(tau.dtype)
+    d0 = tau * mf
+    if steps <= 0 or rank <= 0:
+        return d0, []
+    m, n = tau.shape
+    _, v_new = top_singular(tau, k_new, seed=seed)
+    v_old = None
+    if lambda_old > 0 and delta_prev is not None and bool(delta_prev.any()):
+        _, v_old = top_singular(delta_prev, k_old, seed=seed + 1)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    a = (torch.randn(rank, n, generator=gen) / rank**0.5).to(tau.device).requires_grad_(True)
+    b = torch.zeros(m, rank, device=tau.device, requires_grad=True)
+    lr = lr_scale * float(tau.std()) if tau.numel() > 1 else lr_scale
+    opt = torch.optim.Adam([a, b], lr=max(lr, 1e-12))
+    p_new = (d0 - tau) @ v_new  # constant part of (D − τ) V_new
+    p_old = d0 @ v_old if v_old is not None else None
+    losses: list[float] = []
+    with torch.enable_grad():
+        for _ in range(steps + 1):
+            corr = (b @ a) * mf
+            loss = (p_new + corr @ v_new).square().sum()
+            if p_old is not None:
+                loss = loss + lambda_old * (p_old + corr @ v_old).square().sum()
+            losses.append(float(loss.detach()))
+            if len(losses) > steps:
+                break
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+    with torch.no_grad():
+        return d0 + (b @ a) * mf, losses
+
+
+class SafeMergeParams(PolicyParams):
+    rho: float = Field(0.1, gt=0, le=1, description="keep ratio ρ of each tensor's entries")
+    lam: float = Field(0.3, alias="lambda", description="fold scale λ")
+    k: int = Field(64, ge=1, description="rank of θ₀'s general subspace")
+    k_s: int = Field(64, ge=1, description="rank of τ's task-specific subspace")
+    rank: int = Field(16, ge=0, description="rank r of the masked low-rank recovery (0 = none)")
+    steps: int = Field(50, ge=0, description="Adam steps of the recovery (0 = none)")
+    lambda_old: float = Field(1.0, ge=0, description="weight λ_old of the stay-off-old-directions term")
+    lr_scale: float = Field(0.1, gt=0, description="Adam learning rate = lr_scale · std(τ)")
+    k_new: int = Field(8, ge=1, description="top right singular vectors of τ in L_new")
+    k_old: int = Field(64, ge=1, description="top right singular vectors of Δ_{t−1} in L_old")
+    risk_mask: bool = Field(True, description="False: plain magnitude mask (the ablation row)")
+
+
+class SafeMerge(Policy):
+    """SAFE-Merge (Qiu et al. 2026); see the module docstring. State: cached U₀, V₀ per tensor."""
+
+    name = "safe_merge"
+    Params = SafeMergeParams
+
+    def fold_tensor(self, base: Tensor, backbone: Tensor, tau: Tensor, state: TensorState,
+                    ctx: TensorContext) -> TensorFold:
+        p = self.params
+        structured = tau.ndim == 2 and not ctx.is_embedding and min(tau.shape) >= 2 * p.k
+        if not structured:
+            mask = magnitude_mask(tau.abs(), p.rho)
+            return TensorFold(tau.mul_(mask).mul_(p.lam), {}, {"kept": float(mask.sum())})
+        new_state = state
+        if p.risk_mask:
+            if "U0" not in state:
+                u0, v0 = top_singular(base, p.k, seed=ctx.seed)
+                new_state = {"U0": u0, "V0": v0}
+            risk = risk_scores(tau, new_state["U0"], new_state["V0"], p.k_s, seed=ctx.seed)
+            score = risk.neg_().add_(1.0).mul_(tau.abs())
+        else:
+            score = tau.abs()
+        mask = magnitude_mask(score, p.rho)
+        del score
+        delta_prev = backbone - base if ctx.n_previous > 0 else None
+        d, losses = masked_recovery(tau, mask, delta_prev, rank=p.rank, steps=p.steps, lambda_old=p.lambda_old,
+                                    lr_scale=p.lr_scale, k_new=p.k_new, k_old=p.k_old, seed=ctx.seed)
+        stats = {"kept": float(mask.sum())}
+        if losses:
+            stats.update(recovery_loss_first=losses[0], recovery_loss_last=losses[-1])
+        return TensorFold(d.mul_(p.lam), new_state, stats)

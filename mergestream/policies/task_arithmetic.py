@@ -1,0 +1,163 @@
+"""Task Arithmetic, TIES and MagMax: one generalized task-arithmetic family.
+
+All three compute a merged task vector τ_m from the inputs and set θ = θ₀ + λ·τ_m; they differ in
+the sparsification (trim to the top-k% magnitudes, or none) and the consensus (plain sum, sign
+election + disjoint mean, or element-wise max |τ|).
+
+- Task Arithmetic: Ilharco et al., "Editing Models with Task Arithmetic", ICLR 2023
+  (arXiv 2212.04089), eq. 1: θ = θ₀ + λ Σᵢ τᵢ.
+- TIES-Merging: Yadav et al., NeurIPS 2023 (arXiv 2306.01708), §3 steps 1-3 (trim, elect sign,
+  disjoint merge).
+- MagMax: Marczak et al., ECCV 2024 (arXiv 2407.06322), §3: per entry, the task-vector value of
+  largest magnitude.
+
+Continual forms (one expert at a time): Δ_{t−1}/λ is treated as one task vector weighted by the
+number n of experts it holds, τ as the other. For TA this is exactly the offline sum; for MagMax
+it is exact as well (max is associative); for TIES it is an approximation of offline TIES (the
+earlier experts' trimmed entries are re-trimmed as one vector) — our choice, per METHODS.md.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+import torch
+from pydantic import Field
+
+from .base import Policy, PolicyParams, Tensor, TensorContext, TensorFold, TensorState
+
+
+def trim_top_k(tau: Tensor, k_percent: float) -> Tensor:
+    """Keep the ``int(k/100 · numel)`` entries of largest |τ| (exactly), zero the rest.
+
+    Uses ``torch.topk`` on |τ|, never a sort of the whole tensor (TIES step 1).
+
+    Args:
+        tau: float tensor of any shape.
+        k_percent: keep ratio in percent, 0..100; 100 returns τ unchanged.
+
+    Returns:
+        A new tensor of τ's shape and dtype.
+    """
+    if k_percent >= 100:
+        return tau.clone()
+    flat = tau.reshape(-1)
+    keep = int(k_percent / 100.0 * flat.numel())
+    out = torch.zeros_like(flat)
+    if keep > 0:
+        idx = torch.topk(flat.abs(), keep, largest=True, sorted=False).indices
+        out[idx] = flat[idx]
+    return out.view_as(tau)
+
+
+def elect_sign(trimmed: list[Tensor], weights: list[float]) -> Tensor:
+    """TIES step 2: per entry, the sign of Σ wᵢ·τᵢ (a zero sum elects +1, as PEFT and TIES do).
+
+    Returns:
+        float32 tensor of ±1 of the inputs' shape.
+    """
+    total = torch.zeros_like(trimmed[0])
+    for t, w in zip(trimmed, weights):
+        total.add_(t, alpha=w)
+    return torch.where(total >= 0, 1.0, -1.0).to(total.dtype)
+
+
+def disjoint_mean(trimmed: list[Tensor], weights: list[float], sign: Tensor) -> Tensor:
+    """TIES step 3: weighted mean of the non-zero values that agree with the elected sign.
+
+    An entry where no value agrees gives 0 (never NaN). Accumulates in the inputs' dtype
+    (float32 in the engine), so large fp16 deltas cannot overflow.
+    """
+    num = torch.zeros_like(trimmed[0])
+    den = torch.zeros_like(trimmed[0])
+    for t, w in zip(trimmed, weights):
+        agree = (torch.sign(t) == sign).to(t.dtype)
+        num.add_(t * agree, alpha=w)
+        den.add_(agree, alpha=w)
+    return torch.where(den > 0, num / den.clamp_min(torch.finfo(den.dtype).tiny), torch.zeros_like(num))
+
+
+def max_magnitude(values: list[Tensor]) -> Tensor:
+    """MagMax: per entry, the value of largest magnitude (first wins on ties)."""
+    out = values[0].clone()
+    for v in values[1:]:
+        out = torch.where(v.abs() > out.abs(), v, out)
+    return out
+
+
+class GeneralizedTaskArithmeticParams(PolicyParams):
+    lam: float = Field(0.3, alias="lambda", description="scaling coefficient λ")
+    k: float = Field(100.0, ge=0, le=100, description="trim: keep the top-k% magnitudes (100 = no trim)")
+
+
+class GeneralizedTaskArithmetic(Policy):
+    """θ = θ₀ + λ·consensus(trim(τ₁), ..., trim(τ_K)); see the module docstring."""
+
+    consensus: ClassVar[Literal["sum", "ties", "max"]] = "sum"
+
+    def _merge(self, taus: list[Tensor], weights: list[float]) -> Tensor:
+        k = self.params.k
+        if self.consensus == "sum":
+            out = torch.zeros_like(taus[0])
+            for t, w in zip(taus, weights):
+                out.add_(trim_top_k(t, k) if k < 100 else t, alpha=w)
+            return out
+        trimmed = [trim_top_k(t, k) for t in taus]
+        if self.consensus == "max":
+            return max_magnitude(trimmed)
+        return disjoint_mean(trimmed, weights, elect_sign(trimmed, weights))
+
+    def merge_tensor(self, base: Tensor, taus: list[Tensor], ctx: TensorContext) -> Tensor:
+        """Offline K-way: Δ = λ·τ_m with τ_m the consensus of the K (trimmed) task vectors."""
+        return self._merge(taus, [1.0] * len(taus)).mul_(self.params.lam)
+
+    def fold_tensor(self, base: Tensor, backbone: Tensor, tau: Tensor, state: TensorState,
+                    ctx: TensorContext) -> TensorFold:
+        lam = self.params.lam
+        n = ctx.n_previous
+        if self.consensus == "sum":  # exact: Δ_t = λ·trim(τ)
+            if self.params.k < 100:
+                tau = trim_top_k(tau, self.params.k)
+            return TensorFold(tau.mul_(lam))
+        if n == 0 or lam == 0:
+            return TensorFold(self._merge([tau], [1.0]).mul_(lam))
+        prev = (backbone - base).div_(lam)  # τ_m of the n experts folded so far
+        if self.consensus == "max":
+            trimmed = trim_top_k(tau, self.params.k)
+            delta = torch.where(trimmed.abs() > prev.abs(), trimmed - prev, torch.zeros_like(prev))
+            return TensorFold(delta.mul_(lam))
+        merged = self._merge([prev, tau], [float(n), 1.0])
+        return TensorFold(merged.sub_(prev).mul_(lam))
+
+
+class TaskArithmetic(GeneralizedTaskArithmetic):
+    """Task Arithmetic (Ilharco et al. 2023, eq. 1): Δ_t = λ·τ; default λ = 0.3."""
+
+    name = "task_arithmetic"
+    consensus = "sum"
+    Params = GeneralizedTaskArithmeticParams
+
+
+class TiesParams(GeneralizedTaskArithmeticParams):
+    lam: float = Field(1.0, alias="lambda", description="scaling coefficient λ")
+    k: float = Field(20.0, ge=0, le=100, description="keep the top-k% magnitudes of each task vector")
+
+
+class Ties(GeneralizedTaskArithmetic):
+    """TIES-Merging (Yadav et al. 2023, §3): trim to top-k%, elect sign, disjoint mean; ×λ."""
+
+    name = "ties"
+    consensus = "ties"
+    Params = TiesParams
+
+
+class MagMaxParams(GeneralizedTaskArithmeticParams):
+    lam: float = Field(0.5, alias="lambda", description="scaling coefficient λ")
+
+
+class MagMax(GeneralizedTaskArithmetic):
+    """MagMax (Marczak et al. 2024, §3): per entry the τ of largest magnitude; ×λ (default 0.5)."""
+
+    name = "magmax"
+    consensus = "max"
+    Params = MagMaxParams

@@ -1,0 +1,164 @@
+"""The policy state folder: what a sequence of folds carries, persisted next to the backbone.
+
+Layout of a state folder::
+
+    manifest.json                     policy, parameters, base, current backbone, one record per fold
+    state-<gen>.safetensors           per-tensor policy state, keys "<tensor>::<field>" (float32/int)
+    contrib/<id>-<gen>.safetensors    each fold's float32 contribution Δ (for subtract-unmerge)
+
+Files are written under new names and the manifest is replaced atomically last (write to a
+temporary file, fsync, ``os.replace``), so a crash leaves the previous manifest and files intact;
+unreferenced files are garbage-collected at the next commit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .checkpoints import Checkpoint, fsync_dir, open_checkpoint
+from .errors import StateError
+
+MANIFEST = "manifest.json"
+SEP = "::"
+
+
+@dataclass
+class FoldRecord:
+    """One accepted fold as the state remembers it."""
+
+    id: str
+    expert: str
+    sha256: str
+    params: dict[str, Any]
+    coefficient: float | None = None
+    contribution: str | None = None
+    time: float = field(default_factory=time.time)
+
+
+@dataclass
+class Manifest:
+    """The state folder's manifest (JSON)."""
+
+    policy: str | None = None
+    base: str | None = None
+    base_tensors: int | None = None
+    backbone: str | None = None
+    state_file: str | None = None
+    folds: list[FoldRecord] = field(default_factory=list)
+    format: int = 1
+
+    def ids(self) -> list[str]:
+        return [f.id for f in self.folds]
+
+    def index_of(self, expert_id: str) -> int:
+        """Position of ``expert_id`` in the fold order; raises StateError if it was never folded."""
+        try:
+            return self.ids().index(expert_id)
+        except ValueError:
+            raise StateError(f"expert {expert_id!r} is not in this state (folded: {', '.join(self.ids()) or 'none'})") from None
+
+    def coefficients(self) -> list[float]:
+        return [f.coefficient if f.coefficient is not None else 0.0 for f in self.folds]
+
+
+class StateDir:
+    """Read and atomically update a policy state folder (created on first commit)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.manifest = self._load()
+        self._state: Checkpoint | None = None
+        self._fields: dict[str, list[str]] | None = None
+
+    def _load(self) -> Manifest:
+        mpath = self.path / MANIFEST
+        if not mpath.exists():
+            return Manifest()
+        try:
+            raw = json.loads(mpath.read_text())
+            folds = [FoldRecord(**f) for f in raw.pop("folds", [])]
+            return Manifest(**raw, folds=folds)
+        except (ValueError, TypeError) as exc:
+            raise StateError(f"{mpath}: unreadable state manifest ({exc})") from exc
+
+    # -- per-tensor state -------------------------------------------------------------------
+    def _open_state(self) -> None:
+        if self._fields is not None:
+            return
+        self._fields = {}
+        if self.manifest.state_file:
+            p = self.path / self.manifest.state_file
+            if not p.exists():
+                raise StateError(f"{p}: state file named in the manifest is missing")
+            self._state = open_checkpoint(p)
+            for key in self._state.keys():
+                tensor, _, fld = key.rpartition(SEP)
+                self._fields.setdefault(tensor, []).append(fld)
+
+    def tensor_state(self, name: str) -> dict[str, torch.Tensor]:
+        """The stored state fields of one tensor (empty dict when none)."""
+        self._open_state()
+        assert self._fields is not None
+        return {f: self._state.get(f"{name}{SEP}{f}") for f in self._fields.get(name, [])}
+
+    def contribution(self, index: int) -> Checkpoint:
+        """The stored float32 contribution of fold ``index``."""
+        rec = self.manifest.folds[index]
+        if not rec.contribution or not (self.path / rec.contribution).exists():
+            raise StateError(f"{self.path}: no stored contribution for expert {rec.id!r}")
+        return open_checkpoint(self.path / rec.contribution)
+
+    def new_file(self, kind: str, expert_id: str | None = None) -> Path:
+        """A fresh, unique path inside the folder for a state or contribution file."""
+        gen = uuid.uuid4().hex[:10]
+        if kind == "state":
+            self.path.mkdir(parents=True, exist_ok=True)
+            return self.path / f"state-{gen}.safetensors.tmp"
+        (self.path / "contrib").mkdir(parents=True, exist_ok=True)
+        return self.path / "contrib" / f"{expert_id}-{gen}.safetensors.tmp"
+
+    def commit(self, manifest: Manifest, new_files: list[Path]) -> None:
+        """Rename ``*.tmp`` files into place, replace the manifest atomically, collect garbage.
+
+        ``manifest`` must reference the new files by their final names (without ``.tmp``).
+        """
+        self.path.mkdir(parents=True, exist_ok=True)
+        for f in new_files:
+            os.replace(f, f.with_suffix(""))
+        tmp = self.path / f".{MANIFEST}.{uuid.uuid4().hex[:8]}"
+        data = asdict(manifest)
+        with open(tmp, "w") as fh:
+            json.dump(data, fh, indent=2)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, self.path / MANIFEST)
+        fsync_dir(self.path)
+        self.close()
+        self.manifest = manifest
+        self.collect_garbage()
+
+    def collect_garbage(self) -> None:
+        """Delete state/contribution files the manifest does not reference (leftovers of crashes)."""
+        keep = {self.manifest.state_file} | {f.contribution for f in self.manifest.folds}
+        for p in list(self.path.glob("state-*.safetensors*")) + list(self.path.glob("contrib/*")):
+            rel = str(p.relative_to(self.path))
+            if rel not in keep:
+                p.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        if self._state is not None:
+            self._state.close()
+        self._state, self._fields = None, None
+
+
+def final_name(p: Path, root: Path) -> str:
+    """Relative name of a ``*.tmp`` file once committed."""
+    return str(p.with_suffix("").relative_to(root))
