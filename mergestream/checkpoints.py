@@ -242,6 +242,12 @@ def _open_safetensors_files(path: Path, weight_map: dict[str, Path] | None,
     return Checkpoint(path, tensor_files, metas, handles, metadata=metadata)
 
 
+def open_safetensors_file(path: str | os.PathLike) -> Checkpoint:
+    """Open one safetensors file whatever its name (e.g. a ``*.tmp`` staged file)."""
+    p = Path(path)
+    return _open_safetensors_files(p, None, [p])
+
+
 def _open_legacy(path: Path) -> Checkpoint:
     try:
         sd = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)

@@ -43,6 +43,7 @@ from .checkpoints import (
     is_float_dtype,
     open_checkpoint,
     open_expert,
+    open_safetensors_file,
     staged_output,
     tied_groups,
     validate_against_base,
@@ -327,7 +328,7 @@ def fold(base: str | os.PathLike, backbone: str | os.PathLike | None, expert: st
 
 
 def _state_reader(path: Path) -> Callable[[str], dict[str, torch.Tensor]]:
-    ck = open_checkpoint(path)
+    ck = open_safetensors_file(path)
     fields: dict[str, list[str]] = {}
     for key in ck.keys():
         t, _, f = key.rpartition(SEP)

@@ -1,0 +1,344 @@
+"""Merge math, through the real engine and real safetensors files where it matters."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from peft.utils.merge_utils import ties as peft_ties
+
+from mergestream import engine
+from mergestream.checkpoints import read_state_dict
+from mergestream.errors import NonFiniteError, PolicyError
+from mergestream.policies import TensorContext, cmaes_coefficients, make_policy
+from mergestream.policies.mdm_oc import gram_schmidt, orthogonal_factors
+from mergestream.policies.safe_merge import magnitude_mask, masked_recovery
+from mergestream.policies.task_arithmetic import disjoint_mean, elect_sign, trim_top_k
+
+from .conftest import perturb, random_model, save_tensors
+
+
+def _models(tmp_path, dtype=torch.float32, n_experts=3, scale=0.05):
+    base = random_model(0, dtype)
+    bpath = save_tensors(tmp_path / "base.safetensors", base)
+    experts = []
+    for i in range(n_experts):
+        experts.append(save_tensors(tmp_path / f"e{i}.safetensors", perturb(base, scale, seed=100 + i)))
+    return bpath, experts
+
+
+def _fold_chain(tmp_path, bpath, experts, policy, params, tag="run"):
+    backbone = None
+    state = tmp_path / f"{tag}-state"
+    outs = []
+    for i, e in enumerate(experts):
+        out = tmp_path / f"{tag}-{i}"
+        engine.fold(bpath, backbone, e, policy, params, state_dir=state, out=out)
+        backbone = out
+        outs.append(out)
+    return outs, state
+
+
+# -- Task Arithmetic ----------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_task_arithmetic_lambda_one_reproduces_the_expert(tmp_path, dtype):
+    bpath, experts = _models(tmp_path, dtype, n_experts=1)
+    out = tmp_path / "out"
+    engine.fold(bpath, None, experts[0], "task_arithmetic", {"lambda": 1}, state_dir=tmp_path / "s", out=out)
+    got, want = read_state_dict(out), read_state_dict(experts[0])
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype
+        if dtype == torch.float32 or not v.is_floating_point():
+            assert torch.equal(got[k], v), k
+        else:  # within one rounding step of the checkpoint dtype
+            step = torch.finfo(dtype).eps * v.float().abs().clamp_min(torch.finfo(dtype).tiny)
+            assert ((got[k].float() - v.float()).abs() <= step).all(), k
+
+
+def test_continual_task_arithmetic_equals_offline_sum(tmp_path):
+    bpath, experts = _models(tmp_path, n_experts=4)
+    outs, _ = _fold_chain(tmp_path, bpath, experts, "task_arithmetic", {"lambda": 0.3})
+    engine.merge(bpath, experts, "task_arithmetic", {"lambda": 0.3}, out=tmp_path / "offline")
+    cont, off = read_state_dict(outs[-1]), read_state_dict(tmp_path / "offline")
+    base = read_state_dict(bpath)
+    exp_sum = {k: base[k] + 0.3 * sum(read_state_dict(e)[k] - base[k] for e in experts) for k in base
+               if base[k].is_floating_point()}
+    for k, v in exp_sum.items():
+        torch.testing.assert_close(cont[k], v, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(off[k], v, rtol=1e-6, atol=1e-6)
+
+
+# -- TIES -----------------------------------------------------------------------------------
+def _ties_inputs(seed=0, k=4, shape=(64, 33)):
+    g = torch.Generator().manual_seed(seed)
+    taus = []
+    for i in range(k):
+        t = torch.randn(shape, generator=g)
+        t[torch.rand(shape, generator=g) < 0.3] = 0.0  # explicit zeros
+        taus.append(t)
+    taus[1][:5] = -taus[0][:5]  # exact sign conflicts
+    return taus
+
+
+@pytest.mark.parametrize("k_percent,lam", [(20, 1.0), (50, 0.7), (100, 0.3)])
+def test_offline_ties_equals_peft_oracle(k_percent, lam):
+    taus = _ties_inputs()
+    pol = make_policy("ties", {"k": k_percent, "lambda": lam})
+    ours = pol.merge_tensor(torch.zeros_like(taus[0]), [t.clone() for t in taus], TensorContext("w"))
+    oracle = peft_ties([t.clone() for t in taus], torch.full((len(taus),), lam), density=k_percent / 100)
+    torch.testing.assert_close(ours, oracle, rtol=1e-6, atol=1e-7)
+
+
+def test_ties_entry_with_no_agreeing_value_is_zero_not_nan():
+    a = torch.tensor([1.0, 0.0, 0.0, -2.0])
+    b = torch.tensor([-1.0, 0.0, 0.0, 2.0])
+    trimmed = [a, b]
+    sign = elect_sign(trimmed, [1.0, 1.0])
+    merged = disjoint_mean(trimmed, [1.0, 1.0], sign)
+    assert torch.isfinite(merged).all()
+    assert merged[1] == 0 and merged[2] == 0  # all-zero entries: nobody agrees
+    # a sign whose value nobody holds gives 0, never 0/0
+    out = disjoint_mean([torch.tensor([0.0, 3.0])], [1.0], torch.tensor([1.0, -1.0]))
+    assert out.tolist() == [0.0, 0.0]
+
+
+def test_ties_no_fp16_overflow_on_large_deltas(tmp_path):
+    base = {"w": torch.zeros(8, 8, dtype=torch.float16)}
+    bpath = save_tensors(tmp_path / "b.safetensors", base)
+    experts = [save_tensors(tmp_path / f"e{i}.safetensors", {"w": torch.full((8, 8), 60000.0 - i * 100, dtype=torch.float16)})
+               for i in range(3)]
+    engine.merge(bpath, experts, "ties", {"k": 100, "lambda": 1.0}, out=tmp_path / "out")
+    got = read_state_dict(tmp_path / "out")["w"]
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.float(), torch.full((8, 8), 59900.0), rtol=1e-3, atol=0)
+    # continual form: Δ/λ·n sums stay in float32 too
+    outs, _ = _fold_chain(tmp_path, bpath, experts, "ties", {"k": 100, "lambda": 1.0})
+    assert torch.isfinite(read_state_dict(outs[-1])["w"]).all()
+
+
+def test_result_that_overflows_its_dtype_is_refused_and_nothing_written(tmp_path):
+    bpath = save_tensors(tmp_path / "b.safetensors", {"w": torch.full((4,), 60000.0, dtype=torch.float16)})
+    e = save_tensors(tmp_path / "e.safetensors", {"w": torch.full((4,), 65000.0, dtype=torch.float16)})
+    with pytest.raises(NonFiniteError, match="w"):
+        engine.fold(bpath, None, e, "task_arithmetic", {"lambda": 3.0}, state_dir=tmp_path / "s", out=tmp_path / "o")
+    assert not (tmp_path / "o").exists()
+    assert not (tmp_path / "s" / "manifest.json").exists()
+
+
+def test_trim_keeps_exactly_k_percent():
+    t = torch.randn(100, 37)
+    kept = trim_top_k(t, 20)
+    assert int((kept != 0).sum()) == int(0.2 * t.numel())
+    assert kept.abs().min() == 0 and kept.abs().max() == t.abs().max()
+
+
+def test_continual_ties_first_fold_equals_offline_single(tmp_path):
+    bpath, experts = _models(tmp_path, n_experts=1)
+    engine.fold(bpath, None, experts[0], "ties", {"k": 20}, state_dir=tmp_path / "s", out=tmp_path / "c")
+    engine.merge(bpath, experts, "ties", {"k": 20}, out=tmp_path / "o")
+    c, o = read_state_dict(tmp_path / "c"), read_state_dict(tmp_path / "o")
+    for k in c:
+        assert torch.equal(c[k], o[k]), k
+
+
+# -- SAFE-Merge -----------------------------------------------------------------------------
+def _safe_inputs(m=160, n=140, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(m, n, generator=g)
+    tau = 0.01 * torch.randn(m, n, generator=g) + 0.02 * torch.randn(m, 3, generator=g) @ torch.randn(3, n, generator=g)
+    return base, tau
+
+
+@pytest.mark.parametrize("rho", [0.05, 0.1, 0.37])
+def test_safe_merge_mask_and_unchanged_entries(rho):
+    base, tau = _safe_inputs()
+    backbone = base + 0.01 * torch.randn_like(base)
+    pol = make_policy("safe_merge", {"rho": rho, "lambda": 0.5, "k": 16, "k_s": 16, "steps": 10})
+    res = pol.fold_tensor(base, backbone, tau.clone(), {}, TensorContext("layer.w", n_previous=1, seed=3))
+    assert res.stats["kept"] == round(rho * tau.numel())
+    out = backbone + res.delta
+    changed = out != backbone
+    assert int(changed.sum()) <= res.stats["kept"]
+    assert torch.equal(out[~changed], backbone[~changed])
+    # the cached general subspace is part of the state
+    assert set(res.state) == {"U0", "V0"} and res.state["U0"].shape == (160, 16)
+
+
+def test_safe_merge_outside_mask_is_bit_for_bit_unchanged_in_bf16(tmp_path):
+    base = {"layer.w": torch.randn(140, 150).to(torch.bfloat16)}
+    bpath = save_tensors(tmp_path / "b.safetensors", base)
+    e = save_tensors(tmp_path / "e.safetensors", perturb(base, 0.05, 1))
+    out = tmp_path / "o"
+    rep = engine.fold(bpath, None, e, "safe_merge", {"rho": 0.1, "k": 8, "k_s": 8, "steps": 5},
+                      state_dir=tmp_path / "s", out=out)
+    got = read_state_dict(out)["layer.w"]
+    changed = got != base["layer.w"]
+    assert int(changed.sum()) <= round(0.1 * got.numel())
+    assert abs(rep.stats["kept_fraction"] - 0.1) < 1e-4
+
+
+def test_safe_merge_recovery_loss_decreases():
+    base, tau = _safe_inputs()
+    mask = magnitude_mask(tau.abs(), 0.1)
+    prev = 0.02 * torch.randn_like(tau)
+    _, losses = masked_recovery(tau, mask, prev, rank=8, steps=40, lambda_old=1.0, lr_scale=0.1,
+                                k_new=8, k_old=16, seed=0)
+    assert len(losses) == 41
+    assert losses[-1] < 0.7 * losses[0]
+    assert min(losses) < losses[0]
+
+
+def test_safe_merge_rho_one_without_recovery_equals_task_arithmetic(tmp_path):
+    bpath, experts = _models(tmp_path, n_experts=2)
+    sm, _ = _fold_chain(tmp_path, bpath, experts, "safe_merge", {"rho": 1, "lambda": 1, "steps": 0, "k": 4, "k_s": 4}, "sm")
+    ta, _ = _fold_chain(tmp_path, bpath, experts, "task_arithmetic", {"lambda": 1}, "ta")
+    a, b = read_state_dict(sm[-1]), read_state_dict(ta[-1])
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+# -- MDM-OC ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("rank", [0, 4])
+def test_mdm_oc_directions_orthogonal_and_unmerge(tmp_path, rank):
+    bpath, experts = _models(tmp_path, n_experts=5)
+    params = {"alpha": 0.5, "rank": rank}
+    outs, state = _fold_chain(tmp_path, bpath, experts, "mdm_oc", params, "oc")
+    sd = engine.StateDir(state)
+    pol = make_policy("mdm_oc", params)
+    base = read_state_dict(bpath)
+    for name, t in base.items():
+        if not t.is_floating_point():
+            continue
+        st = sd.tensor_state(name)
+        dirs = [pol._direction(st, i, t.shape).reshape(-1) for i in range(5)]
+        for i in range(5):
+            for j in range(i + 1, 5):
+                ni, nj = dirs[i].norm(), dirs[j].norm()
+                if ni > 0 and nj > 0:
+                    cos = float(torch.dot(dirs[i], dirs[j]) / (ni * nj))
+                    assert abs(cos) < 1e-5, (name, i, j, cos)
+    sd.close()
+    # subtract-unmerge of the last expert restores the previous backbone
+    engine.unmerge(state, "e4", "subtract", out=tmp_path / "minus-last")
+    got, prev = read_state_dict(tmp_path / "minus-last"), read_state_dict(outs[-2])
+    for k, v in prev.items():
+        if v.is_floating_point():
+            assert float((got[k] - v).norm() / v.norm()) < 1e-6, k
+    assert engine.StateDir(state).manifest.ids() == ["e0", "e1", "e2", "e3"]
+
+
+def test_mdm_oc_replay_unmerge_of_first_equals_folding_the_others_from_scratch(tmp_path):
+    bpath, experts = _models(tmp_path, n_experts=5)
+    params = {"alpha": 0.4}
+    _, state = _fold_chain(tmp_path, bpath, experts, "mdm_oc", params, "all")
+    engine.unmerge(state, "e0", "replay", out=tmp_path / "replayed")
+    scratch, _ = _fold_chain(tmp_path, bpath, experts[1:], "mdm_oc", params, "scratch")
+    a, b = read_state_dict(tmp_path / "replayed"), read_state_dict(scratch[-1])
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert engine.StateDir(state).manifest.ids() == ["e1", "e2", "e3", "e4"]
+
+
+def test_gram_schmidt_projects_into_null_space():
+    g = torch.Generator().manual_seed(0)
+    basis = torch.linalg.qr(torch.randn(500, 6, generator=g))[0].T.contiguous()
+    tau = torch.randn(500, generator=g)
+    d = gram_schmidt(tau, basis)
+    assert (basis @ d).abs().max() < 1e-5
+    # the part of τ already in the null space is untouched
+    inside = tau - basis.T @ (basis @ tau)
+    torch.testing.assert_close(d, inside, atol=1e-5, rtol=1e-5)
+
+
+def test_factored_directions_exhaust_gracefully():
+    tau = torch.randn(6, 4)
+    L, R = orthogonal_factors(tau, torch.zeros(4, 0), 3)
+    L2, R2 = orthogonal_factors(tau, R, 3)  # only one dimension left
+    assert (R.T @ R2).abs().max() < 1e-5
+    assert int((R2.abs().sum(0) > 0).sum()) == 1
+    L3, R3 = orthogonal_factors(tau, torch.cat([R, R2], 1), 3)
+    assert float(L3.norm()) == 0.0
+
+
+def test_mdm_oc_cmaes_coefficients_through_the_engine(tmp_path):
+    bpath, experts = _models(tmp_path, n_experts=2)
+    base = read_state_dict(bpath)
+    target = {k: base[k] + 0.8 * (read_state_dict(experts[0])[k] - base[k]) + 0.2 * (read_state_dict(experts[1])[k] - base[k])
+              for k in base if base[k].is_floating_point()}
+    calls = []
+
+    def objective(alphas, weights):
+        calls.append(list(alphas))
+        return float(sum(((t - target[n]) ** 2).sum() for n, t in weights() if n in target))
+
+    params = {"alpha": 0.3, "coefficients": "cmaes", "budget": 60, "stability": 0.0, "sigma": 0.3}
+    engine.fold(bpath, None, experts[0], "mdm_oc", params, state_dir=tmp_path / "s", out=tmp_path / "o1",
+                objective=objective)
+    rep = engine.fold(bpath, tmp_path / "o1", experts[1], "mdm_oc", params, state_dir=tmp_path / "s",
+                      out=tmp_path / "o2", objective=objective)
+    assert len(rep.coefficients) == 2
+    start_loss = objective(np.array([rep.coefficients[0], 0.3]), lambda: engine._weights_stream(
+        make_policy("mdm_oc", params), engine.open_checkpoint(bpath), engine.StateDir(tmp_path / "s").path /
+        engine.StateDir(tmp_path / "s").manifest.state_file, [rep.coefficients[0], 0.3], torch.device("cpu")))
+    got = read_state_dict(tmp_path / "o2")
+    final = float(sum(((got[k] - target[k]) ** 2).sum() for k in target))
+    assert final <= start_loss + 1e-6
+    assert abs(rep.coefficients[0] - 0.8) < 0.15  # moved toward the optimum
+
+
+def test_mdm_oc_cmaes_without_objective_is_a_clear_error(tmp_path):
+    bpath, experts = _models(tmp_path, n_experts=1)
+    with pytest.raises(PolicyError, match="objective"):
+        engine.fold(bpath, None, experts[0], "mdm_oc", {"coefficients": "cmaes"}, state_dir=tmp_path / "s",
+                    out=tmp_path / "o")
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("dim", [1, 3])
+def test_cmaes_respects_budget_and_never_worsens(dim):
+    evals = []
+
+    def f(x):
+        evals.append(x.copy())
+        return float(np.sum((x - 1.7) ** 2))
+
+    start = [0.3] * dim
+    best, loss, used = cmaes_coefficients(f, start, start[:-1], stability=0.1, budget=25, sigma=0.3)
+    assert used <= 25 and len(evals) == used
+    start_loss = float(np.sum((np.array(start) - 1.7) ** 2))
+    assert loss <= start_loss
+    assert float(np.sum((best - 1.7) ** 2)) < start_loss
+
+
+# -- OPCM and MagMax -----------------------------------------------------------------------
+def test_opcm_keeps_merged_norm_at_running_mean(tmp_path):
+    bpath, experts = _models(tmp_path, n_experts=3)
+    outs, _ = _fold_chain(tmp_path, bpath, experts, "opcm", {"alpha": 0.5})
+    base = read_state_dict(bpath)
+    got = read_state_dict(outs[-1])
+    name = "layer.0.attn.weight"
+    norms = [float((read_state_dict(e)[name] - base[name]).norm()) for e in experts]
+    assert abs(float((got[name] - base[name]).norm()) - np.mean(norms)) < 1e-4 * np.mean(norms)
+    first = read_state_dict(outs[0])
+    torch.testing.assert_close(first[name], read_state_dict(experts[0])[name])  # λ₁ = 1
+
+
+def test_magmax_picks_largest_magnitude(tmp_path):
+    bpath, experts = _models(tmp_path, n_experts=3)
+    outs, _ = _fold_chain(tmp_path, bpath, experts, "magmax", {"lambda": 1.0})
+    engine.merge(bpath, experts, "magmax", {"lambda": 1.0}, out=tmp_path / "off")
+    base = read_state_dict(bpath)
+    taus = torch.stack([read_state_dict(e)["layer.0.attn.weight"] - base["layer.0.attn.weight"] for e in experts])
+    idx = taus.abs().argmax(0, keepdim=True)
+    want = base["layer.0.attn.weight"] + taus.gather(0, idx)[0]
+    torch.testing.assert_close(read_state_dict(outs[-1])["layer.0.attn.weight"], want)
+    torch.testing.assert_close(read_state_dict(tmp_path / "off")["layer.0.attn.weight"], want)
+
+
+def test_unknown_policy_and_bad_params_are_policy_errors():
+    with pytest.raises(PolicyError, match="unknown policy"):
+        make_policy("average")
+    with pytest.raises(PolicyError, match="rho"):
+        make_policy("safe_merge", {"rho": 2})
+    with pytest.raises(PolicyError, match="nope"):
+        make_policy("ties", {"nope": 1})
