@@ -418,7 +418,17 @@ class LoraExpert:
         self.lora_alpha = float(cfg.get("lora_alpha", 8))
         self.alpha_pattern: dict[str, float] = cfg.get("alpha_pattern") or {}
         pairs: dict[str, dict[str, str]] = {}
+        #: copies of base weights PEFT saves for targeted embeddings ({base key: adapter key});
+        #: validation requires them to equal θ₀.
+        self.base_layer_copies: dict[str, str] = {}
+        base_set = set(base_keys)
         for k in self._ckpt.keys():
+            if ".base_layer." in k:
+                target = self._resolve(k.removeprefix("base_model.model.").replace(".base_layer.", "."), base_set)
+                if target is None:
+                    raise ExtraKeyError(f"adapter {folder} ships {k!r}, which matches no tensor of the base")
+                self.base_layer_copies[target] = k
+                continue
             m = _LORA_KEY.match(k)
             if not m:
                 raise UnsupportedCheckpointError(f"{folder}: adapter tensor {k!r} is not a LoRA A/B matrix")
@@ -430,7 +440,6 @@ class LoraExpert:
             if "embedding" in m["kind"]:
                 pairs[module]["embedding"] = "1"
         self._targets: dict[str, dict[str, str]] = {}
-        base_set = set(base_keys)
         for module, kinds in pairs.items():
             if "lora_A" not in kinds or "lora_B" not in kinds:
                 raise CorruptCheckpointError(f"{folder}: module {module!r} has only one of lora_A / lora_B")
@@ -459,6 +468,14 @@ class LoraExpert:
             if re.fullmatch(rf"(.*\.)?{pattern}", module):
                 alpha = float(value)
         return alpha / math.sqrt(r) if self.use_rslora else alpha / r
+
+    def adapter_meta(self, key: str) -> TensorMeta:
+        """Shape/dtype of a raw adapter tensor."""
+        return self._ckpt.meta(key)
+
+    def adapter_tensor(self, key: str) -> torch.Tensor:
+        """A raw adapter tensor as stored."""
+        return self._ckpt.get(key)
 
     def keys(self) -> list[str]:
         """The base weights this adapter changes (others have τ = 0)."""
@@ -539,6 +556,19 @@ def validate_against_base(base: Checkpoint, other: Checkpoint | DenseExpert | Lo
     """
     where = str(other.path)
     if isinstance(other, LoraExpert):
+        for name, key in other.base_layer_copies.items():
+            want, got = base.meta(name), other.adapter_meta(key)
+            if got.shape != want.shape:
+                if is_embedding_name(name):
+                    raise VocabularyGrownError(
+                        f"tensor {name}: {role} {where} ships a base layer with {got.shape[0]} rows, base "
+                        f"{base.path} has {want.shape[0]}: the vocabulary was resized. Hint: resize the base's "
+                        "embeddings the same way before merging")
+                raise ShapeMismatchError(f"tensor {name}: shape {list(got.shape)} in {role} {where} vs "
+                                         f"{list(want.shape)} in base {base.path}")
+            if not torch.equal(other.adapter_tensor(key), base.get(name)):
+                raise UnsupportedCheckpointError(
+                    f"tensor {name}: {role} {where} ships a modified copy of the base layer; only scale·B@A deltas fold")
         for name in other.keys():
             want = base.meta(name).shape
             got = other.delta_shape(name)
