@@ -88,6 +88,18 @@ def is_float_dtype(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point
 
 
+def count_non_finite(t: torch.Tensor, chunk: int = 1 << 20) -> int:
+    """Number of NaN/±Inf entries, checked in chunks so temporaries stay small.
+
+    ``torch.isfinite`` on a whole float tensor allocates a same-sized float temporary (|x|) plus
+    boolean masks; chunking bounds that at ``chunk`` elements.
+    """
+    if not t.is_floating_point():
+        return 0
+    flat = t.reshape(-1)
+    return sum(int((~torch.isfinite(flat[i:i + chunk])).sum()) for i in range(0, flat.numel(), chunk))
+
+
 def is_embedding_name(name: str) -> bool:
     """Heuristic: does this tensor name denote an embedding matrix or a (tied) LM head?"""
     return bool(_EMBEDDING_NAME.search(name))
@@ -578,7 +590,7 @@ def validate_against_base(base: Checkpoint, other: Checkpoint | DenseExpert | Lo
         if check_finite:
             for name in other.keys():
                 tau = other.task_vector(name, torch.zeros(()))
-                if not torch.isfinite(tau).all():
+                if count_non_finite(tau):
                     raise NonFiniteError(f"tensor {name}: LoRA delta of {role} {where} holds NaN or Inf")
         return
     base_keys, other_keys = set(base.keys()), set(other.keys())
@@ -612,9 +624,8 @@ def validate_against_base(base: Checkpoint, other: Checkpoint | DenseExpert | Lo
                     f"tensor {name} ({dtype}) differs between {role} {where} and base {base.path}; "
                     "integer/bool tensors are never merged and must equal the base")
         elif check_finite:
-            t = reader.get(name)
-            if not torch.isfinite(t).all():
-                bad = int((~torch.isfinite(t)).sum())
+            bad = count_non_finite(reader.get(name))
+            if bad:
                 raise NonFiniteError(f"tensor {name}: {role} {where} holds {bad} NaN/Inf value(s)")
 
 

@@ -38,6 +38,7 @@ from .checkpoints import (
     SpoolWriter,
     TensorMeta,
     copy_aux_files,
+    count_non_finite,
     default_expert_id,
     is_embedding_name,
     is_float_dtype,
@@ -143,7 +144,7 @@ class _Stats:
 
 def _cast_checked(x: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
     out = x.to(meta.dtype).cpu() if x.dtype != meta.dtype or x.device.type != "cpu" else x
-    if not torch.isfinite(out).all():
+    if count_non_finite(out):
         raise NonFiniteError(
             f"tensor {meta.name}: the fold's result is not finite in {meta.dtype} (overflow?); nothing written")
     return out
@@ -262,13 +263,13 @@ def fold(base: str | os.PathLike, backbone: str | os.PathLike | None, expert: st
                     ctx = TensorContext(name, n_prev, prev_coeffs, is_embedding_name(name), _seed(name))
                     res = pol.fold_tensor(b, bb, tau, st, ctx)
                     del b, tau
-                    result = _cast_checked(bb.add_(res.delta), meta)
+                    result = _cast_checked(bb.add_(res.delta, alpha=res.scale), meta)
                     writer.write(name, result)
                     for alias, primary in aliases.items():
                         if primary == name:
                             writer.write(alias, result)
                     if contrib_writer is not None:
-                        contrib_writer.write(name, res.delta.cpu())
+                        contrib_writer.write(name, res.full_delta().cpu())
                     if res.state:
                         with state_lock:
                             for k, v in res.state.items():

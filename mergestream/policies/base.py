@@ -50,14 +50,21 @@ class TensorFold:
     """A policy's answer for one tensor.
 
     Attributes:
-        delta: Δ_t, float32, θ's shape; the engine writes cast(θ_{t−1} + Δ_t).
+        delta: float32, θ's shape; Δ_t = scale · delta, and the engine writes cast(θ_{t−1} + Δ_t).
         state: the new per-tensor policy state (float32/int tensors), persisted by the engine.
         stats: scalars worth logging (kept fraction, recovery loss, ...).
+        scale: a scalar applied by the engine while adding (saves a tensor-sized temporary when
+            ``delta`` is also kept in the state, e.g. MDM-OC's unit direction).
     """
 
     delta: Tensor
     state: TensorState = field(default_factory=dict)
     stats: dict[str, float] = field(default_factory=dict)
+    scale: float = 1.0
+
+    def full_delta(self) -> Tensor:
+        """Δ_t = scale · delta (a new tensor unless scale is 1)."""
+        return self.delta if self.scale == 1.0 else self.delta * self.scale
 
 
 class Policy:
@@ -123,7 +130,7 @@ class Policy:
         for i, tau in enumerate(taus):
             c = TensorContext(ctx.name, i, tuple(coeffs), ctx.is_embedding, ctx.seed)
             out = self.fold_tensor(base, backbone, tau.clone(), state, c)
-            backbone += out.delta
+            backbone.add_(out.delta, alpha=out.scale)
             state = out.state
             if (cf := self.coefficient()) is not None:
                 coeffs.append(cf)

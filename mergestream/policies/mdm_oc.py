@@ -35,18 +35,18 @@ from .base import Policy, PolicyParams, Tensor, TensorContext, TensorFold, Tenso
 log = logging.getLogger(__name__)
 
 
-def gram_schmidt(tau: Tensor, basis: Tensor, *, passes: int = 2) -> Tensor:
+def gram_schmidt(tau: Tensor, basis: Tensor, *, passes: int = 2, inplace: bool = False) -> Tensor:
     """Project a flat vector onto the null space of an orthonormal basis (modified Gram–Schmidt).
 
     Args:
-        tau: (N,) float32 vector (not modified).
+        tau: (N,) float32 vector (modified only with ``inplace``).
         basis: (k, N) float32 rows orthonormal (zero rows allowed).
         passes: 2 = re-orthogonalise once ("twice is enough", Giraud et al. 2005).
 
     Returns:
         (N,) float32 δ⊥ with ⟨δ⊥, basis[j]⟩ ≈ 0 for every j.
     """
-    out = tau.clone()
+    out = tau if inplace else tau.clone()
     for _ in range(passes):
         for j in range(basis.shape[0]):
             q = basis[j]
@@ -132,14 +132,18 @@ class MdmOc(Policy):
                          "norms": torch.cat([norms, norms.new_tensor([norm])])}
         else:
             Q = state.get("Q", tau.new_zeros(0, tau.numel()))
-            direction = gram_schmidt(tau.reshape(-1), Q)
-            norm = float(direction.norm())
+            unit = gram_schmidt(tau.reshape(-1), Q, inplace=True)  # τ's buffer becomes δ⊥, then q
+            norm = float(unit.norm())
             if norm <= p.min_norm_ratio * tau_norm or norm == 0.0:
-                direction.zero_()
+                unit.zero_()
                 norm = 0.0
-            unit = direction / norm if norm > 0 else direction
-            new_state = {"Q": torch.cat([Q, unit[None]], 0), "norms": torch.cat([norms, norms.new_tensor([norm])])}
-            direction = direction.view_as(tau)
+            else:
+                unit.div_(norm)
+            stacked = unit[None] if Q.shape[0] == 0 else torch.cat([Q, unit[None]], 0)
+            new_state = {"Q": stacked, "norms": torch.cat([norms, norms.new_tensor([norm])])}
+            kept = norm / tau_norm if tau_norm > 0 else 0.0
+            # Δ_t = α·‖δ⊥‖·q, applied by the engine as a scale: no tensor-sized temporary
+            return TensorFold(unit.view_as(tau), new_state, {"orthogonal_fraction": kept}, scale=p.alpha * norm)
         kept = norm / tau_norm if tau_norm > 0 else 0.0
         return TensorFold(direction.mul_(p.alpha), new_state, {"orthogonal_fraction": kept})
 

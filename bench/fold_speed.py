@@ -1,0 +1,903 @@
+"""Fold speed benchmark: mergestream's policies against mergekit and a plain-copy floor.
+
+For each model size this script
+
+1. generates (once, cached under ``--workdir``) two synthetic Llama-shaped Hugging Face folders,
+   ``base`` (θ₀) and ``expert`` (θ₀ + small noise), with a ``config.json`` for
+   ``LlamaForCausalLM`` and safetensors weights (bf16 by default; sharded with an index when a
+   model exceeds 1 GiB);
+2. times ``mergestream fold`` (a first fold: backbone = base) for each policy, each in a fresh
+   child process with a fresh state and output folder;
+3. times ``mergekit-yaml`` with ``task_arithmetic`` (weight 1, lambda 0.3) and ``ties``
+   (density 0.2, weight 1, lambda 1) on the same inputs, from a separate virtual environment;
+4. times the floor: read base and expert once, then copy the base's weight files to a new folder
+   (``shutil.copyfile``), once with and once without ``fsync``.
+
+Every row records wall seconds of the child process (interpreter start and imports included),
+input GB/s = (base bytes + expert bytes) / seconds (the *logical* input, whatever a tool re-reads),
+the child's peak RSS (``ru_maxrss`` as reported by GNU ``time -f %M`` wrapped around that very
+child, so rows never leak into each other, nor this driver's own memory), and the bytes the run
+left on disk (output + policy state). mergestream rows also keep the engine's own in-process
+seconds from ``fold --json``. ``--repeat N`` keeps the fastest of N runs per row.
+
+Page cache: we cannot drop it (no root assumed), so every row runs warm instead: the inputs are
+read once right before each timed run. Note that mmap-based readers (mergekit) count resident
+file pages in RSS, while mergestream reads with ``pread`` and does not.
+
+mergestream's output and state are fsynced; mergekit does not fsync. Compare mergestream with the
+"fsync" floor and mergekit with the "no fsync" floor.
+
+SAFE-Merge runs 50 Adam steps per 2-D tensor by default. When its time on a smaller size,
+scaled by model bytes, predicts more than ``--safe-budget`` seconds on a larger size, the larger
+size runs with proportionally fewer steps and the ``params`` column says so.
+
+How to run (from the repository root)::
+
+    # smoke run, ~50 MB model, well under a minute once mergekit is installed
+    .venv/bin/python bench/fold_speed.py --quick
+
+    # the real run: 0.5 GB and 2 GB (tens of minutes on 2 cores; run it in the background),
+    # on a snapshot of the last commit so that concurrent edits cannot change what is measured
+    nohup .venv/bin/python bench/fold_speed.py --sizes 0.5GB 2GB --rev HEAD > /tmp/fold_speed.log 2>&1 &
+
+    # a subset
+    .venv/bin/python bench/fold_speed.py --sizes 0.5GB --policies task_arithmetic ties --no-mergekit
+
+mergekit lives in its own virtual environment (default ``/tmp/mergekit-venv``). The script
+creates it on demand; by hand::
+
+    python -m venv /tmp/mergekit-venv
+    /tmp/mergekit-venv/bin/pip install -c constraints.txt torch==2.13.0 mergekit
+
+If mergekit cannot be installed or fails, its rows record the reason instead of a time.
+
+Output: a plain table on stdout and JSON in ``bench/results/fold_speed.json`` (rewritten after
+every row, so an interrupted run keeps what it measured). Generated models, outputs and logs stay
+under ``--workdir`` (default ``/tmp/mergestream-bench``), never in the repository.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_WORKDIR = Path("/tmp/mergestream-bench")
+DEFAULT_JSON = REPO / "bench" / "results" / "fold_speed.json"
+DEFAULT_MERGESTREAM = REPO / ".venv" / "bin" / "mergestream"
+DEFAULT_MERGEKIT_VENV = Path("/tmp/mergekit-venv")
+CONSTRAINTS = REPO / "constraints.txt"
+
+POLICIES = ("task_arithmetic", "ties", "safe_merge", "mdm_oc")
+#: parameters shown in the table's ``params`` column (all of them go to the JSON).
+SHOWN_PARAMS = {
+    "task_arithmetic": ("lambda",),
+    "ties": ("k", "lambda"),
+    "safe_merge": ("steps", "rank", "rho", "lambda"),
+    "mdm_oc": ("alpha", "rank"),
+}
+SAFE_DEFAULT_STEPS = 50
+SHARD_BYTES = 1 << 30  # synthetic checkpoints: 1 GiB shards, so the 2 GB model is sharded
+GB = 1e9
+MIB = 1 << 20
+
+
+# ------------------------------------------------------------------------------------------
+# Synthetic Llama-shaped checkpoints
+# ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LlamaShape:
+    """The dimensions of a Llama decoder that fix every tensor's shape."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    vocab: int
+    heads: int
+    kv_heads: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def tensors(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(name, shape) of every weight, in the order ``transformers`` names them."""
+        h, kv = self.hidden, self.kv_heads * self.head_dim
+        out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (self.vocab, h))]
+        for i in range(self.layers):
+            p = f"model.layers.{i}"
+            out += [
+                (f"{p}.self_attn.q_proj.weight", (h, h)),
+                (f"{p}.self_attn.k_proj.weight", (kv, h)),
+                (f"{p}.self_attn.v_proj.weight", (kv, h)),
+                (f"{p}.self_attn.o_proj.weight", (h, h)),
+                (f"{p}.mlp.gate_proj.weight", (self.intermediate, h)),
+                (f"{p}.mlp.up_proj.weight", (self.intermediate, h)),
+                (f"{p}.mlp.down_proj.weight", (h, self.intermediate)),
+                (f"{p}.input_layernorm.weight", (h,)),
+                (f"{p}.post_attention_layernorm.weight", (h,)),
+            ]
+        out += [("model.norm.weight", (h,)), ("lm_head.weight", (self.vocab, h))]
+        return out
+
+    def numel(self) -> int:
+        return sum(math.prod(s) for _, s in self.tensors())
+
+    def config(self, dtype: str) -> dict[str, Any]:
+        """A ``config.json`` for ``LlamaForCausalLM`` (untied embeddings) with these dimensions."""
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": self.hidden,
+            "intermediate_size": self.intermediate,
+            "num_hidden_layers": self.layers,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab,
+            "max_position_embeddings": 2048,
+            "hidden_act": "silu",
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0,
+            "attention_bias": False,
+            "mlp_bias": False,
+            "tie_word_embeddings": False,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "torch_dtype": dtype,
+        }
+
+
+#: named sizes; the name says roughly how many bytes one bf16 checkpoint has.
+SIZES: dict[str, LlamaShape] = {
+    "50MB": LlamaShape(hidden=512, intermediate=1408, layers=6, vocab=8000, heads=8, kv_heads=2),
+    "0.5GB": LlamaShape(hidden=1024, intermediate=2816, layers=17, vocab=32000, heads=16, kv_heads=4),
+    "2GB": LlamaShape(hidden=2048, intermediate=5632, layers=20, vocab=32000, heads=32, kv_heads=4),
+}
+
+BASE_STD = 0.02  # θ₀ ~ N(0, 0.02²) for matrices, 1 for norms
+EXPERT_STD = 0.002  # τ ~ N(0, 0.002²) everywhere
+
+
+def _plan_shards(tensors: list[tuple[str, tuple[int, ...]]], itemsize: int) -> list[list[tuple[str, tuple[int, ...]]]]:
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for name, shape in tensors:
+        nbytes = math.prod(shape) * itemsize
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, shape))
+        size += nbytes
+    return shards
+
+
+def ensure_models(workdir: Path, size: str, dtype_name: str) -> tuple[Path, Path, dict[str, Any]]:
+    """Generate (or reuse) the base and expert folders for one size.
+
+    Tensors are drawn per name from a seeded generator, so the same spec always gives the same
+    bytes. The folders are reused when ``spec.json`` next to them matches.
+
+    Returns:
+        (base folder, expert folder, spec dict).
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    shape = SIZES[size]
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype_name]
+    spec = {"size": size, "dtype": dtype_name, "shape": asdict(shape), "numel": shape.numel(),
+            "base_std": BASE_STD, "expert_std": EXPERT_STD, "shard_bytes": SHARD_BYTES, "version": 1}
+    root = workdir / "models" / f"{size}-{dtype_name}"
+    base, expert = root / "base", root / "expert"
+    spec_file = root / "spec.json"
+    if spec_file.is_file() and json.loads(spec_file.read_text()) == spec:
+        return base, expert, spec
+    shutil.rmtree(root, ignore_errors=True)
+    base.mkdir(parents=True)
+    expert.mkdir(parents=True)
+    t0 = time.perf_counter()
+    _log(f"generating {size} ({shape.numel() / 1e6:.0f}M params, {dtype_name}) under {root}")
+    shards = _plan_shards(shape.tensors(), dtype.itemsize)
+    n = len(shards)
+    weight_map: dict[str, str] = {}
+    for i, group in enumerate(shards):
+        fname = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        b_shard: dict[str, torch.Tensor] = {}
+        e_shard: dict[str, torch.Tensor] = {}
+        for name, shp in group:
+            gen = torch.Generator().manual_seed(hash_name(name))
+            if len(shp) == 1:
+                b = torch.ones(shp)
+            else:
+                b = torch.randn(shp, generator=gen).mul_(BASE_STD)
+            e = torch.randn(shp, generator=gen).mul_(EXPERT_STD).add_(b)
+            b_shard[name], e_shard[name] = b.to(dtype), e.to(dtype)
+            weight_map[name] = fname
+            del b, e
+        save_file(b_shard, str(base / fname), metadata={"format": "pt"})
+        save_file(e_shard, str(expert / fname), metadata={"format": "pt"})
+        del b_shard, e_shard
+    total = shape.numel() * dtype.itemsize
+    for folder in (base, expert):
+        (folder / "config.json").write_text(json.dumps(shape.config(dtype_name), indent=2) + "\n")
+        if n > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    spec_file.write_text(json.dumps(spec, indent=2) + "\n")
+    _log(f"generated {size} in {time.perf_counter() - t0:.1f} s")
+    return base, expert, spec
+
+
+def hash_name(name: str) -> int:
+    """A stable 31-bit seed for a tensor name (Python's ``hash`` is salted per process)."""
+    import zlib
+
+    return zlib.crc32(name.encode()) & 0x7FFFFFFF
+
+
+def weight_files(folder: Path) -> list[Path]:
+    return sorted(folder.glob("*.safetensors"))
+
+
+def tree_bytes(*paths: Path) -> int:
+    """Total size of the regular files under ``paths`` (missing paths count 0)."""
+    total = 0
+    for p in paths:
+        if p.is_file():
+            total += p.stat().st_size
+        elif p.is_dir():
+            total += sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+    return total
+
+
+def warm(paths: list[Path]) -> None:
+    """Read files once so that every timed run starts with its inputs in the page cache."""
+    buf = bytearray(16 * MIB)
+    for p in paths:
+        with open(p, "rb", buffering=0) as fh:
+            while fh.readinto(buf):
+                pass
+
+
+# ------------------------------------------------------------------------------------------
+# Measuring a child process
+# ------------------------------------------------------------------------------------------
+@dataclass
+class Measured:
+    """One child process: exit status, wall seconds, peak RSS and where its output went."""
+
+    returncode: int
+    seconds: float
+    peak_rss_bytes: int
+    stdout: Path
+    stderr: Path
+    timed_out: bool = False
+
+    def tail(self, n: int = 1500) -> str:
+        text = self.stderr.read_text(errors="replace") if self.stderr.exists() else ""
+        return text[-n:].strip()
+
+
+def gnu_time() -> str | None:
+    """Path of GNU ``time`` if it is installed (it supports ``-f %M -o FILE``), else None."""
+    exe = shutil.which("time", path="/usr/bin:/bin:/usr/local/bin")
+    if exe is None:
+        return None
+    try:
+        probe = subprocess.run([exe, "-f", "%M", "true"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return exe if probe.returncode == 0 and probe.stderr.strip().isdigit() else None
+
+
+GNU_TIME = gnu_time()
+
+
+def run_measured(cmd: list[str], logs: Path, tag: str, *, env: dict[str, str] | None = None,
+                 timeout: float | None = None) -> Measured:
+    """Run ``cmd`` alone and measure its wall seconds and peak RSS.
+
+    Peak RSS comes from GNU ``time -f %M`` when available: ``time`` is a small C program, and the
+    command is forked from it, so the figure is the command's own. Measuring with ``os.wait4``
+    from this (large, torch-importing) Python process instead would report at least this
+    process's RSS at fork time, because Linux carries the pre-exec high-water mark into
+    ``ru_maxrss``; that is the fallback when GNU time is missing (flagged in the JSON).
+    Either way ``ru_maxrss`` is per process, never summed over the tree, and is in KiB on Linux.
+    """
+    logs.mkdir(parents=True, exist_ok=True)
+    out_path, err_path = logs / f"{tag}.stdout", logs / f"{tag}.stderr"
+    rss_path = logs / f"{tag}.maxrss"
+    rss_path.unlink(missing_ok=True)
+    full = [GNU_TIME, "-f", "%M", "-o", str(rss_path), *cmd] if GNU_TIME else cmd
+    timed_out = threading.Event()
+    with open(out_path, "wb") as out, open(err_path, "wb") as err:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(full, stdout=out, stderr=err, env=env, start_new_session=True)
+
+        def kill() -> None:
+            timed_out.set()
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+        timer = threading.Timer(timeout, kill) if timeout else None
+        if timer:
+            timer.start()
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        finally:
+            if timer:
+                timer.cancel()
+        seconds = time.perf_counter() - t0
+    proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here; keep Popen consistent
+    peak_kib = usage.ru_maxrss
+    if GNU_TIME:
+        lines = rss_path.read_text().split() if rss_path.exists() else []
+        peak_kib = int(lines[-1]) if lines and lines[-1].isdigit() else 0
+    return Measured(proc.returncode, seconds, peak_kib * 1024, out_path, err_path, timed_out.is_set())
+
+
+# ------------------------------------------------------------------------------------------
+# Rows
+# ------------------------------------------------------------------------------------------
+@dataclass
+class Row:
+    """One line of the table (and one object in the JSON)."""
+
+    size: str
+    tool: str
+    policy: str
+    params: str
+    model_bytes: int
+    input_bytes: int
+    seconds: float | None = None
+    input_gb_s: float | None = None
+    peak_rss_mib: float | None = None
+    written_bytes: int | None = None
+    error: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def fill(self, m: Measured) -> None:
+        self.seconds = round(m.seconds, 3)
+        self.input_gb_s = round(self.input_bytes / GB / m.seconds, 3) if m.seconds > 0 else None
+        self.peak_rss_mib = round(m.peak_rss_bytes / MIB, 1)
+
+
+def _fmt(v: float | None, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def format_table(rows: list[Row]) -> str:
+    """The plain table: one line per row; failed rows show ``failed`` and a footnote."""
+    head = ["size", "model GB", "tool", "policy", "params", "seconds", "in GB/s", "peak RSS MiB", "written GB"]
+    lines = []
+    notes = []
+    for r in rows:
+        if r.error:
+            notes.append(f"[{len(notes) + 1}] {r.tool} {r.policy} @ {r.size}: {r.error}")
+            secs = f"failed[{len(notes)}]"
+        else:
+            secs = _fmt(r.seconds, ".2f")
+        lines.append([r.size, f"{r.model_bytes / GB:.3f}", r.tool, r.policy, r.params, secs,
+                      _fmt(r.input_gb_s, ".3f"), _fmt(r.peak_rss_mib, ".0f"),
+                      "-" if r.written_bytes is None else f"{r.written_bytes / GB:.2f}"])
+    widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(head)]
+    right = {1, 5, 6, 7, 8}
+
+    def render(cells: list[str]) -> str:
+        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    out = [render(head), render(["-" * w for w in widths])] + [render(line) for line in lines]
+    return "\n".join(out + ([""] + notes if notes else []))
+
+
+# ------------------------------------------------------------------------------------------
+# The three kinds of run
+# ------------------------------------------------------------------------------------------
+def run_floor(ctx: SizeContext, fsync: bool) -> Row:
+    """Read base + expert, then copy the base's weight files to a new folder (the floor)."""
+    row = ctx.row("floor", "read+copy", "fsync" if fsync else "no fsync")
+    out = ctx.scratch / f"floor-{'fsync' if fsync else 'nofsync'}"
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "_floor", str(out), "--copy",
+           *map(str, weight_files(ctx.base))]
+    if fsync:
+        cmd.append("--fsync")
+    cmd += ["--read", *map(str, ctx.inputs)]
+    warm(ctx.inputs)
+    m = run_measured(cmd, ctx.logs, f"{ctx.size}-floor-{'fsync' if fsync else 'nofsync'}", timeout=ctx.args.timeout)
+    row.written_bytes = tree_bytes(out)
+    if m.returncode != 0:
+        row.error = f"exit {m.returncode}: {m.tail()}"
+    else:
+        row.fill(m)
+    shutil.rmtree(out, ignore_errors=True)
+    return row
+
+
+def floor_child(argv: list[str]) -> int:
+    """The floor's child process: ``_floor OUT --read FILE... --copy FILE... [--fsync]``."""
+    p = argparse.ArgumentParser(prog="fold_speed.py _floor")
+    p.add_argument("out", type=Path)
+    p.add_argument("--read", nargs="+", type=Path, required=True)
+    p.add_argument("--copy", nargs="+", type=Path, required=True)
+    p.add_argument("--fsync", action="store_true")
+    a = p.parse_args(argv)
+    buf = bytearray(16 * MIB)
+    for f in a.read:
+        with open(f, "rb", buffering=0) as fh:
+            while fh.readinto(buf):
+                pass
+    a.out.mkdir(parents=True)
+    for f in a.copy:
+        dest = a.out / f.name
+        shutil.copyfile(f, dest)
+        if a.fsync:
+            fd = os.open(dest, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    return 0
+
+
+def run_mergestream(ctx: SizeContext, policy: str, sets: dict[str, str], note: str = "") -> Row:
+    """One first fold with ``mergestream fold`` in a fresh state and output folder."""
+    tag = f"{ctx.size}-mergestream-{policy}"
+    state, out = ctx.scratch / f"{tag}-state", ctx.scratch / f"{tag}-out"
+    for p in (state, out):
+        shutil.rmtree(p, ignore_errors=True)
+    cmd = [str(ctx.args.mergestream), "fold", "--base", str(ctx.base), "--expert", str(ctx.expert),
+           "--policy", policy, "--state", str(state), "--out", str(out), "--json",
+           "--threads", str(ctx.args.threads)]
+    for k, v in sets.items():
+        cmd += ["--set", f"{k}={v}"]
+    row = ctx.row("mergestream", policy, "")
+    warm(ctx.inputs)
+    m = run_measured(cmd, ctx.logs, tag, env=ctx.args.mergestream_env, timeout=ctx.args.timeout)
+    row.written_bytes = tree_bytes(state, out)
+    row.extra["output_bytes"] = tree_bytes(out)
+    row.extra["state_bytes"] = tree_bytes(state)
+    row.extra["command"] = cmd
+    if m.returncode != 0 or m.timed_out:
+        row.error = "timed out" if m.timed_out else f"exit {m.returncode}: {m.tail()}"
+    else:
+        row.fill(m)
+        try:
+            report = json.loads(m.stdout.read_text())
+        except ValueError:
+            report = {}
+        params = report.get("params", {})
+        row.extra.update(engine_seconds=report.get("seconds"), report_bytes_read=report.get("bytes_read"),
+                         report_bytes_written=report.get("bytes_written"), policy_params=params,
+                         stats=report.get("stats"))
+        shown = [f"{k}={params[k]:g}" if isinstance(params.get(k), float) else f"{k}={params.get(k)}"
+                 for k in SHOWN_PARAMS.get(policy, ()) if k in params]
+        row.params = " ".join(shown) + (f" ({note})" if note else "")
+    shutil.rmtree(state, ignore_errors=True)
+    ctx.keep_or_drop(f"mergestream-{policy}", out)
+    return row
+
+
+MERGEKIT_METHODS = {
+    # ours: Δ = λ·τ with λ = 0.3
+    "task_arithmetic": ({"weight": 1.0}, {"lambda": 0.3}),
+    # ours: trim to top 20 %, λ = 1 (one expert: sign election and the disjoint mean are identities)
+    "ties": ({"density": 0.2, "weight": 1.0}, {"lambda": 1.0}),
+}
+
+
+def mergekit_config(method: str, base: Path, expert: Path, out_dtype: str) -> str:
+    """A mergekit YAML config: float32 math, output in the checkpoints' dtype (as mergestream)."""
+    model_params, shared = MERGEKIT_METHODS[method]
+    lines = [f"merge_method: {method}", f"base_model: {base}", "models:", f"  - model: {expert}",
+             "    parameters:"]
+    lines += [f"      {k}: {v}" for k, v in model_params.items()]
+    lines += ["parameters:"] + [f"  {k}: {v}" for k, v in shared.items()]
+    lines += ["dtype: float32", f"out_dtype: {out_dtype}"]
+    return "\n".join(lines) + "\n"
+
+
+def ensure_mergekit(args: argparse.Namespace) -> tuple[Path | None, str | None]:
+    """Find ``mergekit-yaml`` in the mergekit venv, creating the venv if allowed.
+
+    Returns:
+        (path to mergekit-yaml, None) or (None, why it is unavailable).
+    """
+    exe = args.mergekit_venv / "bin" / "mergekit-yaml"
+    if exe.exists():
+        return exe, None
+    if args.no_install:
+        return None, f"{exe} not found (--no-install)"
+    _log(f"installing mergekit into {args.mergekit_venv} (a few minutes)")
+    log = args.workdir / "logs" / "mergekit-install.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    pip = [str(args.mergekit_venv / "bin" / "pip"), "install", "torch==2.13.0", "mergekit"]
+    if CONSTRAINTS.is_file():
+        pip[2:2] = ["-c", str(CONSTRAINTS)]
+    with open(log, "wb") as fh:
+        for cmd in ([sys.executable, "-m", "venv", str(args.mergekit_venv)], pip):
+            rc = subprocess.call(cmd, stdout=fh, stderr=subprocess.STDOUT)
+            if rc != 0:
+                tail = log.read_text(errors="replace")[-800:].strip()
+                return None, f"`{' '.join(cmd)}` exited {rc}: {tail}"
+    return (exe, None) if exe.exists() else (None, f"installed, but {exe} is missing")
+
+
+def run_mergekit(ctx: SizeContext, method: str, exe: Path | None, why: str | None) -> Row:
+    """One ``mergekit-yaml`` run on the same base and expert."""
+    model_params, shared = MERGEKIT_METHODS[method]
+    row = ctx.row("mergekit", method, " ".join(f"{k}={v:g}" for k, v in {**model_params, **shared}.items()))
+    if exe is None:
+        row.error = f"mergekit unavailable: {why}"
+        return row
+    tag = f"{ctx.size}-mergekit-{method}"
+    out = ctx.scratch / f"{tag}-out"
+    shutil.rmtree(out, ignore_errors=True)
+    cfg = ctx.scratch / f"{tag}.yml"
+    cfg.write_text(mergekit_config(method, ctx.base, ctx.expert, ctx.args.dtype))
+    cmd = [str(exe), str(cfg), str(out), "--no-copy-tokenizer", "--no-write-model-card", "--quiet",
+           "--out-shard-size", "5B"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1")
+    row.extra["command"] = cmd
+    row.extra["config"] = cfg.read_text()
+    warm(ctx.inputs)
+    m = run_measured(cmd, ctx.logs, tag, env=env, timeout=ctx.args.timeout)
+    row.written_bytes = tree_bytes(out)
+    if m.returncode != 0 or m.timed_out:
+        row.error = "timed out" if m.timed_out else f"exit {m.returncode}: {m.tail()}"
+    else:
+        row.fill(m)
+    ctx.keep_or_drop(f"mergekit-{method}", out)
+    return row
+
+
+# ------------------------------------------------------------------------------------------
+# Agreement between the two tools' outputs (a sanity check that the configs are comparable)
+# ------------------------------------------------------------------------------------------
+PROBE_TENSORS = ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+                 "model.layers.0.mlp.down_proj.weight", "model.norm.weight", "lm_head.weight")
+
+
+def _read_tensor(folder: Path, name: str):
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = [folder / json.loads(index.read_text())["weight_map"][name]]
+    else:
+        files = weight_files(folder)
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            if name in fh.keys():
+                return fh.get_tensor(name).float()
+    raise KeyError(f"{name} not in {folder}")
+
+
+def compare_outputs(base: Path, ours: Path, theirs: Path) -> dict[str, Any]:
+    """Per probe tensor: max |ours − theirs| and ‖ours − theirs‖ / ‖ours − θ₀‖."""
+    out: dict[str, Any] = {}
+    for name in PROBE_TENSORS:
+        try:
+            a, b, t0 = _read_tensor(ours, name), _read_tensor(theirs, name), _read_tensor(base, name)
+        except (KeyError, OSError, ValueError) as exc:
+            out[name] = {"error": str(exc)}
+            continue
+        d = (a - b)
+        out[name] = {"max_abs_diff": float(d.abs().max()), "equal_fraction": float((a == b).float().mean()),
+                     "rel_diff_of_delta": float(d.norm() / (a - t0).norm().clamp_min(1e-30))}
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# Driver
+# ------------------------------------------------------------------------------------------
+@dataclass
+class SizeContext:
+    """Everything one size's runs share."""
+
+    size: str
+    args: argparse.Namespace
+    base: Path
+    expert: Path
+    inputs: list[Path]
+    model_bytes: int
+    scratch: Path
+    logs: Path
+    kept: dict[str, Path] = field(default_factory=dict)
+
+    def row(self, tool: str, policy: str, params: str) -> Row:
+        input_bytes = sum(f.stat().st_size for f in self.inputs)
+        return Row(self.size, tool, policy, params, self.model_bytes, input_bytes)
+
+    def keep_or_drop(self, key: str, out: Path) -> None:
+        """Keep TA/TIES outputs of both tools for the agreement check; delete everything else."""
+        if key.split("-", 1)[1] in MERGEKIT_METHODS and out.exists():
+            self.kept[key] = out
+        elif not self.args.keep_outputs:
+            shutil.rmtree(out, ignore_errors=True)
+
+    def cleanup(self) -> None:
+        if not self.args.keep_outputs:
+            for p in self.kept.values():
+                shutil.rmtree(p, ignore_errors=True)
+            self.kept.clear()
+
+
+class Results:
+    """The JSON document, rewritten after every row."""
+
+    def __init__(self, path: Path, args: argparse.Namespace):
+        self.path = path
+        self.doc: dict[str, Any] = {
+            "benchmark": "fold_speed",
+            "started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "argv": sys.argv,
+            "machine": machine_info(args),
+            "notes": [
+                "seconds: wall time of the child process, interpreter start and imports included",
+                "input GB/s: (base bytes + expert bytes) / seconds, 1 GB = 1e9 bytes",
+                "peak RSS: ru_maxrss of the measured process (GNU time -f %M; without it, os.wait4, "
+                "which includes this driver's RSS at fork); mmap-resident file pages count",
+                "with --repeat N, each row is the fastest of N runs (samples in extra.samples)",
+                "page cache warm for every row: inputs are read once before each timed run",
+                "mergestream fsyncs its output and state; mergekit does not",
+                "written GB: bytes left on disk by the run (output + policy state folder)",
+                f"synthetic models: base ~ N(0, {BASE_STD}^2), expert = base + N(0, {EXPERT_STD}^2), "
+                f"norm weights 1 (+noise); dtype {args.dtype}",
+            ],
+            "models": {},
+            "rows": [],
+            "agreement": {},
+        }
+        self.rows: list[Row] = []
+
+    def add(self, row: Row) -> None:
+        self.rows.append(row)
+        self.doc["rows"] = [asdict(r) for r in self.rows]
+        self.save()
+        status = row.error.splitlines()[0][:200] if row.error else (
+            f"{row.seconds:.2f} s, {row.input_gb_s:.3f} GB/s, {row.peak_rss_mib:.0f} MiB")
+        _log(f"{row.size} {row.tool} {row.policy} [{row.params}]: {status}")
+
+    def save(self) -> None:
+        self.doc["finished"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.doc, indent=2) + "\n")
+        os.replace(tmp, self.path)
+
+
+def machine_info(args: argparse.Namespace) -> dict[str, Any]:
+    info: dict[str, Any] = {"python": platform.python_version(), "platform": platform.platform(),
+                            "cpus": os.cpu_count(), "mergestream_threads": args.threads,
+                            "rss_method": "GNU time -f %M" if GNU_TIME else "os.wait4 (includes driver RSS at fork)"}
+    try:
+        with open("/proc/meminfo") as fh:
+            info["mem_total_gib"] = round(int(fh.readline().split()[1]) / 1024**2, 1)
+    except OSError:
+        pass
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["torch_threads"] = torch.get_num_threads()
+    except ImportError:
+        pass
+    return info
+
+
+def best_of(n: int, run) -> Row:
+    """Call ``run()`` ``n`` times; keep the fastest successful row, with every sample in ``extra``.
+
+    The first failure stops the repetition (a failing run rarely succeeds the second time).
+    """
+    rows: list[Row] = []
+    for _ in range(max(1, n)):
+        rows.append(run())
+        if rows[-1].error:
+            return rows[-1]
+    best = min(rows, key=lambda r: r.seconds)
+    if len(rows) > 1:
+        best.extra["samples"] = [{"seconds": r.seconds, "peak_rss_mib": r.peak_rss_mib} for r in rows]
+    return best
+
+
+def git(*args: str) -> str:
+    return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def mergestream_source(args: argparse.Namespace) -> tuple[dict[str, str] | None, dict[str, Any]]:
+    """Which mergestream code the runs use: the installed working tree, or a snapshot of ``--rev``.
+
+    A snapshot (``git archive REV mergestream``, unpacked under the workdir) is put first on
+    ``PYTHONPATH``, ahead of the editable install, so edits made to the working tree while the
+    benchmark runs cannot change what it measures.
+
+    Returns:
+        (environment for the mergestream children or None for the inherited one, description).
+    """
+    info: dict[str, Any] = {}
+    try:
+        info["head"] = git("rev-parse", "HEAD")
+        info["worktree_dirty"] = bool(git("status", "--porcelain", "--", "mergestream"))
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    if args.rev is None:
+        info["source"] = "working tree (installed package)"
+        return None, info
+    sha = git("rev-parse", "--verify", f"{args.rev}^{{commit}}")
+    dest = args.workdir / "src" / sha
+    if not (dest / "mergestream" / "__init__.py").is_file():
+        shutil.rmtree(dest, ignore_errors=True)
+        dest.mkdir(parents=True)
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", sha, "mergestream"], capture_output=True,
+                                 check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    info.update(source=f"git snapshot {sha}", rev=args.rev, commit=sha, path=str(dest))
+    return dict(os.environ, PYTHONPATH=str(dest)), info
+
+
+def safe_merge_plan(args: argparse.Namespace, model_bytes: int, rate: float | None) -> tuple[dict[str, str], str]:
+    """SAFE-Merge's ``--set`` values and a note for one size.
+
+    ``rate`` is seconds per model byte measured with default steps on a smaller size (or None).
+    """
+    sets = dict(args.policy_sets.get("safe_merge", {}))
+    if "steps" in sets:
+        return sets, "steps set by --set"
+    if args.safe_steps is not None:
+        sets["steps"] = str(args.safe_steps)
+        return sets, "steps set by --safe-steps"
+    if rate is None:
+        return sets, ""
+    estimate = rate * model_bytes
+    if estimate <= args.safe_budget:
+        return sets, ""
+    steps = max(1, int(SAFE_DEFAULT_STEPS * args.safe_budget / estimate))
+    sets["steps"] = str(steps)
+    return sets, f"reduced from {SAFE_DEFAULT_STEPS}: defaults est. {estimate:.0f} s"
+
+
+def parse_sets(items: list[str]) -> dict[str, dict[str, str]]:
+    """``POLICY:name=value`` items -> {policy: {name: value}}."""
+    out: dict[str, dict[str, str]] = {}
+    for item in items:
+        pol, sep, kv = item.partition(":")
+        if not sep or "=" not in kv or pol not in POLICIES:
+            raise SystemExit(f"--set expects POLICY:name=value with POLICY in {POLICIES}, got {item!r}")
+        k, v = kv.split("=", 1)
+        out.setdefault(pol, {})[k.strip()] = v.strip()
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", nargs="+", choices=list(SIZES), default=["0.5GB", "2GB"],
+                   help="model sizes to run (default: 0.5GB 2GB)")
+    p.add_argument("--quick", action="store_true", help="smoke run: the 50MB size only")
+    p.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES),
+                   help="mergestream policies (default: all four)")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="POLICY:NAME=VALUE",
+                   help="extra policy parameter, e.g. safe_merge:steps=10 (repeatable)")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="dtype of the synthetic checkpoints")
+    p.add_argument("--threads", type=int, default=1, help="mergestream fold --threads")
+    p.add_argument("--no-mergekit", action="store_true", help="skip the mergekit rows")
+    p.add_argument("--no-floor", action="store_true", help="skip the floor rows")
+    p.add_argument("--mergekit-venv", type=Path, default=DEFAULT_MERGEKIT_VENV)
+    p.add_argument("--no-install", action="store_true", help="never create the mergekit venv")
+    p.add_argument("--mergestream", type=Path, default=DEFAULT_MERGESTREAM, help="the mergestream executable")
+    p.add_argument("--rev", help="benchmark this git revision of mergestream/ (a snapshot run from the same "
+                                 "venv) instead of the working tree, e.g. HEAD")
+    p.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR,
+                   help="generated models, outputs and logs (default: %(default)s)")
+    p.add_argument("--json", type=Path, default=DEFAULT_JSON, help="results file (default: %(default)s)")
+    p.add_argument("--safe-budget", type=float, default=600.0,
+                   help="seconds above which SAFE-Merge on a larger size runs with fewer steps")
+    p.add_argument("--safe-steps", type=int, help="force SAFE-Merge's steps on every size")
+    p.add_argument("--repeat", type=int, default=1, help="runs per row; the fastest is kept (all in the JSON)")
+    p.add_argument("--timeout", type=float, default=3600.0, help="per-run limit in seconds")
+    p.add_argument("--keep-outputs", action="store_true", help="keep every output folder in the workdir")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["_floor"]:
+        return floor_child(argv[1:])
+    args = build_parser().parse_args(argv)
+    if args.quick:
+        args.sizes = ["50MB"]
+    args.policy_sets = parse_sets(args.sets)
+    args.workdir = args.workdir.resolve()
+    if REPO in args.workdir.parents or args.workdir == REPO:
+        raise SystemExit(f"--workdir {args.workdir} is inside the repository; generated data stays out of it")
+    if not args.mergestream.exists():
+        raise SystemExit(f"{args.mergestream} not found (pass --mergestream)")
+    sizes = sorted(dict.fromkeys(args.sizes), key=lambda s: SIZES[s].numel())
+    results = Results(args.json, args)
+    args.mergestream_env, results.doc["mergestream"] = mergestream_source(args)
+    mk_exe, mk_why = (None, "skipped (--no-mergekit)")
+    if not args.no_mergekit:
+        mk_exe, mk_why = ensure_mergekit(args)
+        results.doc["mergekit"] = {"exe": str(mk_exe) if mk_exe else None, "unavailable": mk_why}
+        if mk_exe:
+            results.doc["mergekit"]["version"] = _pip_version(args.mergekit_venv, "mergekit")
+    safe_rate: float | None = None
+    for size in sizes:
+        base, expert, spec = ensure_models(args.workdir, size, args.dtype)
+        inputs = weight_files(base) + weight_files(expert)
+        model_bytes = sum(f.stat().st_size for f in weight_files(base))
+        results.doc["models"][size] = {**spec, "weight_file_bytes": model_bytes, "base": str(base),
+                                       "expert": str(expert), "files": [f.name for f in weight_files(base)]}
+        scratch = args.workdir / "runs"
+        scratch.mkdir(parents=True, exist_ok=True)
+        ctx = SizeContext(size, args, base, expert, inputs, model_bytes, scratch, args.workdir / "logs")
+        _log(f"== {size}: {model_bytes / GB:.3f} GB per checkpoint, {len(inputs)} input files")
+        if not args.no_floor:
+            for fsync in (True, False):
+                results.add(best_of(args.repeat, lambda: run_floor(ctx, fsync)))
+        for policy in args.policies:
+            sets, note = dict(args.policy_sets.get(policy, {})), ""
+            if policy == "safe_merge":
+                sets, note = safe_merge_plan(args, model_bytes, safe_rate)
+            row = best_of(args.repeat, lambda: run_mergestream(ctx, policy, sets, note))
+            results.add(row)
+            if policy == "safe_merge" and not row.error and "steps" not in sets:
+                safe_rate = row.seconds / model_bytes
+        if not args.no_mergekit:
+            for method in MERGEKIT_METHODS:
+                results.add(best_of(args.repeat, lambda: run_mergekit(ctx, method, mk_exe, mk_why)))
+        for method in MERGEKIT_METHODS:
+            ours, theirs = ctx.kept.get(f"mergestream-{method}"), ctx.kept.get(f"mergekit-{method}")
+            if ours and theirs:
+                results.doc["agreement"].setdefault(size, {})[method] = compare_outputs(base, ours, theirs)
+                results.save()
+        ctx.cleanup()
+    print(format_table(results.rows))
+    if results.doc["agreement"]:
+        print("\nagreement with mergekit (probe tensors; rel = |ours - theirs| / |ours - base|):")
+        for size, methods in results.doc["agreement"].items():
+            for method, probes in methods.items():
+                vals = [v for v in probes.values() if "error" not in v]
+                if vals:
+                    worst = max(v["rel_diff_of_delta"] for v in vals)
+                    mad = max(v["max_abs_diff"] for v in vals)
+                    print(f"  {size} {method}: worst rel {worst:.3g}, max |diff| {mad:.3g} over {len(vals)} tensors")
+    print(f"\nJSON: {args.json}")
+    return 0 if not any(r.error for r in results.rows) else 1
+
+
+def _pip_version(venv: Path, package: str) -> str | None:
+    try:
+        out = subprocess.run([str(venv / "bin" / "python"), "-c",
+                              f"import importlib.metadata as m; print(m.version({package!r}))"],
+                             capture_output=True, text=True, timeout=60)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

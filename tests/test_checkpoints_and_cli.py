@@ -1,0 +1,185 @@
+"""Checkpoint I/O (sharded writer, provenance, atomic staging, tied tensors) and the one-shot CLI
+on tiny real Hugging Face models."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from mergestream import engine
+from mergestream.checkpoints import ModelWriter, TensorMeta, open_checkpoint, read_state_dict, staged_output
+
+from .conftest import check_merge_output, make_hf_expert, perturb, random_model, run_cli, save_tensors
+
+
+def test_writer_shards_at_the_byte_cap_and_reads_back(tmp_path):
+    tensors = {f"t{i}": torch.randn(10, 10 + i) for i in range(7)}
+    tensors["ids"] = torch.arange(5)
+    tensors["half"] = torch.randn(3, 3).to(torch.bfloat16)
+    metas = [TensorMeta(k, tuple(v.shape), v.dtype) for k, v in tensors.items()]
+    w = ModelWriter(tmp_path, metas, {"who": "test"}, max_shard_bytes=1200)
+    for k in reversed(list(tensors)):  # any order: tensors go to precomputed offsets
+        w.write(k, tensors[k])
+    w.close()
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2
+    for shard in shards:
+        with safe_open(str(tmp_path / shard), "pt") as f:
+            assert f.metadata()["who"] == "test"
+            size = sum(f.get_slice(k).get_shape()[0] * 0 + f.get_tensor(k).nbytes for k in f.keys())
+            assert size <= 1200 or len(list(f.keys())) == 1
+    got = read_state_dict(tmp_path)
+    for k, v in tensors.items():
+        assert torch.equal(got[k], v)
+
+
+def test_writer_refuses_unplanned_shapes_and_missing_tensors(tmp_path):
+    w = ModelWriter(tmp_path, [TensorMeta("a", (2, 2), torch.float32), TensorMeta("b", (2,), torch.float32)])
+    with pytest.raises(ValueError, match="planned"):
+        w.write("a", torch.zeros(3, 2))
+    w.write("a", torch.zeros(2, 2))
+    with pytest.raises(RuntimeError, match="never written"):
+        w.close()
+
+
+def test_staged_output_leaves_nothing_on_failure(tmp_path):
+    out = tmp_path / "model"
+    with pytest.raises(RuntimeError):
+        with staged_output(out) as stage:
+            (stage / "half.bin").write_bytes(b"x" * 100)
+            raise RuntimeError("crash mid-write")
+    assert not out.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_fold_interrupted_mid_way_leaves_no_output_and_unchanged_state(tmp_path):
+    base = random_model(0)
+    bpath = save_tensors(tmp_path / "b.safetensors", base)
+    e1 = save_tensors(tmp_path / "e1.safetensors", perturb(base, 0.01, 1))
+    e2 = save_tensors(tmp_path / "e2.safetensors", perturb(base, 0.01, 2))
+    engine.fold(bpath, None, e1, "ties", state_dir=tmp_path / "s", out=tmp_path / "o1")
+    manifest = (tmp_path / "s" / "manifest.json").read_text()
+    files = sorted(p.name for p in (tmp_path / "s").rglob("*"))
+
+    def hook(name):
+        if name == "layer.0.mlp.weight":
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        engine.fold(bpath, tmp_path / "o1", e2, "ties", state_dir=tmp_path / "s", out=tmp_path / "o2", tensor_hook=hook)
+    assert not (tmp_path / "o2").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert (tmp_path / "s" / "manifest.json").read_text() == manifest
+    assert sorted(p.name for p in (tmp_path / "s").rglob("*")) == files
+    engine.fold(bpath, tmp_path / "o1", e2, "ties", state_dir=tmp_path / "s", out=tmp_path / "o2")
+
+
+def test_provenance_metadata_and_aux_files(tmp_path, tiny_bert):
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_bert, base)
+    (base / "tokenizer_config.json").write_text('{"model_max_length": 64}')
+    (base / "vocab.txt").write_text("[PAD]\n[UNK]\n")
+    e1 = make_hf_expert(base, tmp_path / "ex1", seed=1)
+    out = tmp_path / "out"
+    engine.fold(base, None, e1, "safe_merge", {"steps": 3, "k": 4, "k_s": 4, "rank": 2},
+                state_dir=tmp_path / "s", out=out, max_shard_bytes=30_000)
+    check_merge_output(out, base)
+    assert (out / "vocab.txt").read_text() == "[PAD]\n[UNK]\n"
+    assert (out / "tokenizer_config.json").exists()
+    ck = open_checkpoint(out)
+    md = ck.metadata()
+    assert md["mergestream.policy"] == "safe_merge"
+    assert json.loads(md["mergestream.experts"]) == ["ex1"]
+    assert json.loads(md["mergestream.expert_sha256"]) == [open_checkpoint(e1).sha256()]
+    assert json.loads(md["mergestream.params"])["rho"] == 0.1
+    assert len(ck.weight_files) > 1  # sharded at 100 kB
+
+
+def test_tied_tensors_are_written_the_way_the_base_has_them(tmp_path, tiny_llama):
+    # tiny_llama ties lm_head to embed_tokens: the file holds only embed_tokens, and so must the output
+    base_keys = set(read_state_dict(tiny_llama))
+    assert "lm_head.weight" not in base_keys
+    e = make_hf_expert(tiny_llama, tmp_path / "ex", seed=3)
+    engine.fold(tiny_llama, None, e, "ties", state_dir=tmp_path / "s1", out=tmp_path / "o1")
+    assert set(read_state_dict(tmp_path / "o1")) == base_keys
+    # a base that stores both copies gets both, identical, even with a randomised policy
+    sd = read_state_dict(tiny_llama)
+    sd["lm_head.weight"] = sd["model.embed_tokens.weight"].clone()
+    bpath = save_tensors(tmp_path / "both" / "model.safetensors", sd)
+    epath = save_tensors(tmp_path / "both-e" / "model.safetensors", perturb(sd, 0.01, 4) | {})
+    ex = read_state_dict(epath)
+    ex["lm_head.weight"] = ex["model.embed_tokens.weight"].clone()
+    save_tensors(epath, ex)
+    engine.fold(bpath.parent, None, epath.parent, "safe_merge", {"steps": 2, "k": 4, "k_s": 4},
+                state_dir=tmp_path / "s2", out=tmp_path / "o2")
+    got = read_state_dict(tmp_path / "o2")
+    assert torch.equal(got["lm_head.weight"], got["model.embed_tokens.weight"])
+    assert not torch.equal(got["lm_head.weight"], sd["lm_head.weight"])
+
+
+def test_hf_models_load_with_transformers_after_folding(tmp_path, tiny_llama):
+    from transformers import LlamaForCausalLM
+
+    experts = [make_hf_expert(tiny_llama, tmp_path / f"ex{i}", seed=i) for i in range(2)]
+    backbone = None
+    for i, e in enumerate(experts):
+        out = tmp_path / f"v{i}"
+        engine.fold(tiny_llama, backbone, e, "mdm_oc", {"rank": 2}, state_dir=tmp_path / "s", out=out)
+        backbone = out
+    model = LlamaForCausalLM.from_pretrained(backbone)
+    logits = model(torch.tensor([[1, 2, 3]])).logits
+    assert torch.isfinite(logits).all()
+
+
+def test_cli_fold_merge_unmerge_inspect(tmp_path, tiny_bert):
+    experts = [make_hf_expert(tiny_bert, tmp_path / f"e{i}", seed=10 + i) for i in range(3)]
+    st = tmp_path / "state"
+    run_cli("fold", "--base", tiny_bert, "--expert", experts[0], "--policy", "ties", "--set", "k=30",
+            "--set", "lambda=0.8", "--state", st, "--out", tmp_path / "v1")
+    proc = run_cli("fold", "--base", tiny_bert, "--backbone", tmp_path / "v1", "--expert", experts[1],
+                   "--policy", "ties", "--set", "k=30", "--state", st, "--out", tmp_path / "v2", "--json",
+                   "--threads", "2")
+    rep = json.loads(proc.stdout)
+    assert rep["experts"] == ["e1"] and rep["params"]["k"] == 30.0
+    run_cli("fold", "--base", tiny_bert, "--backbone", tmp_path / "v2", "--expert", experts[2], "--id", "third",
+            "--policy", "ties", "--state", st, "--out", tmp_path / "v3")
+    manifest = json.loads((st / "manifest.json").read_text())
+    assert [f["id"] for f in manifest["folds"]] == ["e0", "e1", "third"]
+    check_merge_output(tmp_path / "v3", tiny_bert)
+    run_cli("unmerge", "--state", st, "--expert", "e1", "--mode", "subtract", "--out", tmp_path / "u1")
+    run_cli("unmerge", "--state", st, "--expert", "third", "--mode", "replay", "--out", tmp_path / "u2")
+    assert [f["id"] for f in json.loads((st / "manifest.json").read_text())["folds"]] == ["e0"]
+    run_cli("merge", "--base", tiny_bert, "--policy", "task_arithmetic", "--out", tmp_path / "m", *experts)
+    check_merge_output(tmp_path / "m", tiny_bert)
+    proc = run_cli("inspect", "--base", tiny_bert, *experts, "--json")
+    info = json.loads(proc.stdout)
+    assert info["task_vectors"]["ids"] == ["e0", "e1", "e2"]
+    cos = info["task_vectors"]["cosine"]
+    assert abs(cos[0][0] - 1) < 1e-9 and abs(cos[0][1]) < 0.2
+    text = run_cli("inspect", "--base", tiny_bert, *experts).stdout
+    assert "pairwise cosine" in text and "float32" in text
+    # bad input on every verb: one line, status 2, nothing written
+    bad = run_cli("fold", "--base", tiny_bert, "--expert", experts[0], "--policy", "nope", "--state", tmp_path / "x",
+                  "--out", tmp_path / "x-out", check=False)
+    assert bad.returncode == 2 and "unknown policy" in bad.stderr and not (tmp_path / "x-out").exists()
+    bad = run_cli("fold", "--base", tiny_bert, "--expert", experts[0], "--policy", "ties", "--set", "lambda",
+                  "--state", tmp_path / "x", "--out", tmp_path / "x-out", check=False)
+    assert bad.returncode == 2 and "name=value" in bad.stderr
+    bad = run_cli("unmerge", "--state", st, "--expert", "ghost", "--out", tmp_path / "x-out", check=False)
+    assert bad.returncode == 2 and "ghost" in bad.stderr and not (tmp_path / "x-out").exists()
+    bad = run_cli("merge", "--base", tiny_bert, "--policy", "ties", "--out", tmp_path / "m", *experts, check=False)
+    assert bad.returncode == 2 and "already exists" in bad.stderr
+
+
+def test_expert_id_defaults():
+    from mergestream.checkpoints import default_expert_id
+
+    assert default_expert_id("/x/e2.safetensors") == "e2"
+    assert default_expert_id("/x/my-expert/") == "my-expert"
+    assert default_expert_id("run.pt") == "run"
