@@ -20,6 +20,11 @@ child, so rows never leak into each other, nor this driver's own memory), and th
 left on disk (output + policy state). mergestream rows also keep the engine's own in-process
 seconds from ``fold --json``. ``--repeat N`` keeps the fastest of N runs per row.
 
+The machine may be shared (2 cores here; tests may run next to the benchmark). Each row also
+records the child's CPU seconds and the average number of cores that everything else kept busy
+during the run ("other load", from ``/proc/stat``); before each run the driver waits up to
+``--wait-idle`` seconds for the machine to go quiet. Treat rows with a high other load as suspect.
+
 Page cache: we cannot drop it (no root assumed), so every row runs warm instead: the inputs are
 read once right before each timed run. Note that mmap-based readers (mergekit) count resident
 file pages in RSS, while mergestream reads with ``pread`` and does not.
@@ -286,6 +291,8 @@ class Measured:
     stdout: Path
     stderr: Path
     timed_out: bool = False
+    cpu_seconds: float = 0.0
+    other_cores: float = 0.0
 
     def tail(self, n: int = 1500) -> str:
         text = self.stderr.read_text(errors="replace") if self.stderr.exists() else ""
@@ -305,6 +312,36 @@ def gnu_time() -> str | None:
 
 
 GNU_TIME = gnu_time()
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def busy_cpu_seconds() -> float:
+    """CPU seconds spent busy by the whole machine since boot (``/proc/stat``; 0 if unreadable)."""
+    try:
+        with open("/proc/stat") as fh:
+            f = [int(x) for x in fh.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0.0
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (f + [0] * 8)[:8]
+    return (user + nice + system + irq + softirq + steal) / CLOCK_TICKS
+
+
+def wait_for_idle(max_wait: float, threshold: float = 0.3) -> float:
+    """Wait (at most ``max_wait`` s) until other processes use under ``threshold`` cores over 2 s.
+
+    The machine may be shared (tests running next to the benchmark); timings taken under load
+    are not comparable. Returns the seconds waited.
+    """
+    t0 = time.perf_counter()
+    while True:
+        b0 = busy_cpu_seconds()
+        time.sleep(2.0)
+        load = (busy_cpu_seconds() - b0) / 2.0
+        waited = time.perf_counter() - t0
+        if load < threshold or waited >= max_wait:
+            if waited > 5:
+                _log(f"waited {waited:.0f} s for other processes (load {load:.2f} cores)")
+            return waited
 
 
 def run_measured(cmd: list[str], logs: Path, tag: str, *, env: dict[str, str] | None = None,
@@ -324,6 +361,7 @@ def run_measured(cmd: list[str], logs: Path, tag: str, *, env: dict[str, str] | 
     rss_path.unlink(missing_ok=True)
     full = [GNU_TIME, "-f", "%M", "-o", str(rss_path), *cmd] if GNU_TIME else cmd
     timed_out = threading.Event()
+    busy0 = busy_cpu_seconds()
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
         t0 = time.perf_counter()
         proc = subprocess.Popen(full, stdout=out, stderr=err, env=env, start_new_session=True)
@@ -344,12 +382,16 @@ def run_measured(cmd: list[str], logs: Path, tag: str, *, env: dict[str, str] | 
             if timer:
                 timer.cancel()
         seconds = time.perf_counter() - t0
+    busy = busy_cpu_seconds() - busy0
+    cpu = usage.ru_utime + usage.ru_stime  # includes the command when it runs under GNU time
     proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here; keep Popen consistent
     peak_kib = usage.ru_maxrss
     if GNU_TIME:
         lines = rss_path.read_text().split() if rss_path.exists() else []
         peak_kib = int(lines[-1]) if lines and lines[-1].isdigit() else 0
-    return Measured(proc.returncode, seconds, peak_kib * 1024, out_path, err_path, timed_out.is_set())
+    other = max(0.0, busy - cpu) / seconds if seconds > 0 else 0.0
+    return Measured(proc.returncode, seconds, peak_kib * 1024, out_path, err_path, timed_out.is_set(),
+                    round(cpu, 3), round(other, 3))
 
 
 # ------------------------------------------------------------------------------------------
@@ -369,6 +411,8 @@ class Row:
     input_gb_s: float | None = None
     peak_rss_mib: float | None = None
     written_bytes: int | None = None
+    cpu_seconds: float | None = None
+    other_cores: float | None = None
     error: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -376,6 +420,8 @@ class Row:
         self.seconds = round(m.seconds, 3)
         self.input_gb_s = round(self.input_bytes / GB / m.seconds, 3) if m.seconds > 0 else None
         self.peak_rss_mib = round(m.peak_rss_bytes / MIB, 1)
+        self.cpu_seconds = m.cpu_seconds
+        self.other_cores = m.other_cores
 
 
 def _fmt(v: float | None, spec: str) -> str:
@@ -384,7 +430,8 @@ def _fmt(v: float | None, spec: str) -> str:
 
 def format_table(rows: list[Row]) -> str:
     """The plain table: one line per row; failed rows show ``failed`` and a footnote."""
-    head = ["size", "model GB", "tool", "policy", "params", "seconds", "in GB/s", "peak RSS MiB", "written GB"]
+    head = ["size", "model GB", "tool", "policy", "params", "seconds", "in GB/s", "peak RSS MiB", "written GB",
+            "CPU s", "other load"]
     lines = []
     notes = []
     for r in rows:
@@ -395,9 +442,10 @@ def format_table(rows: list[Row]) -> str:
             secs = _fmt(r.seconds, ".2f")
         lines.append([r.size, f"{r.model_bytes / GB:.3f}", r.tool, r.policy, r.params, secs,
                       _fmt(r.input_gb_s, ".3f"), _fmt(r.peak_rss_mib, ".0f"),
-                      "-" if r.written_bytes is None else f"{r.written_bytes / GB:.2f}"])
+                      "-" if r.written_bytes is None else f"{r.written_bytes / GB:.2f}",
+                      _fmt(r.cpu_seconds, ".1f"), _fmt(r.other_cores, ".2f")])
     widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h) for i, h in enumerate(head)]
-    right = {1, 5, 6, 7, 8}
+    right = {1, 5, 6, 7, 8, 9, 10}
 
     def render(cells: list[str]) -> str:
         return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
@@ -419,7 +467,7 @@ def run_floor(ctx: SizeContext, fsync: bool) -> Row:
     if fsync:
         cmd.append("--fsync")
     cmd += ["--read", *map(str, ctx.inputs)]
-    warm(ctx.inputs)
+    row.extra["waited_for_idle_s"] = round(ctx.prepare(), 1)
     m = run_measured(cmd, ctx.logs, f"{ctx.size}-floor-{'fsync' if fsync else 'nofsync'}", timeout=ctx.args.timeout)
     row.written_bytes = tree_bytes(out)
     if m.returncode != 0:
@@ -468,7 +516,7 @@ def run_mergestream(ctx: SizeContext, policy: str, sets: dict[str, str], note: s
     for k, v in sets.items():
         cmd += ["--set", f"{k}={v}"]
     row = ctx.row("mergestream", policy, "")
-    warm(ctx.inputs)
+    row.extra["waited_for_idle_s"] = round(ctx.prepare(), 1)
     m = run_measured(cmd, ctx.logs, tag, env=ctx.args.mergestream_env, timeout=ctx.args.timeout)
     row.written_bytes = tree_bytes(state, out)
     row.extra["output_bytes"] = tree_bytes(out)
@@ -556,7 +604,7 @@ def run_mergekit(ctx: SizeContext, method: str, exe: Path | None, why: str | Non
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1")
     row.extra["command"] = cmd
     row.extra["config"] = cfg.read_text()
-    warm(ctx.inputs)
+    row.extra["waited_for_idle_s"] = round(ctx.prepare(), 1)
     m = run_measured(cmd, ctx.logs, tag, env=env, timeout=ctx.args.timeout)
     row.written_bytes = tree_bytes(out)
     if m.returncode != 0 or m.timed_out:
@@ -625,6 +673,11 @@ class SizeContext:
         input_bytes = sum(f.stat().st_size for f in self.inputs)
         return Row(self.size, tool, policy, params, self.model_bytes, input_bytes)
 
+    def prepare(self) -> float:
+        """Right before a timed run: warm the page cache, then wait for the machine to be idle."""
+        warm(self.inputs)
+        return wait_for_idle(self.args.wait_idle) if self.args.wait_idle > 0 else 0.0
+
     def keep_or_drop(self, key: str, out: Path) -> None:
         """Keep TA/TIES outputs of both tools for the agreement check; delete everything else."""
         if key.split("-", 1)[1] in MERGEKIT_METHODS and out.exists():
@@ -658,6 +711,10 @@ class Results:
                 "page cache warm for every row: inputs are read once before each timed run",
                 "mergestream fsyncs its output and state; mergekit does not",
                 "written GB: bytes left on disk by the run (output + policy state folder)",
+                "CPU s: user + system seconds of the measured process tree",
+                "other load: average cores kept busy by everything else during the run (other "
+                "processes, kernel writeback); the machine may be shared, and before each run the "
+                "driver waits up to --wait-idle s for it to go quiet",
                 f"synthetic models: base ~ N(0, {BASE_STD}^2), expert = base + N(0, {EXPERT_STD}^2), "
                 f"norm weights 1 (+noise); dtype {args.dtype}",
             ],
@@ -813,6 +870,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds above which SAFE-Merge on a larger size runs with fewer steps")
     p.add_argument("--safe-steps", type=int, help="force SAFE-Merge's steps on every size")
     p.add_argument("--repeat", type=int, default=1, help="runs per row; the fastest is kept (all in the JSON)")
+    p.add_argument("--wait-idle", type=float, default=300.0,
+                   help="before each run, wait up to this many seconds for other processes to go quiet")
     p.add_argument("--timeout", type=float, default=3600.0, help="per-run limit in seconds")
     p.add_argument("--keep-outputs", action="store_true", help="keep every output folder in the workdir")
     return p

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._alloc import pin_mmap_threshold
 from .checkpoints import (
     DEFAULT_SHARD_BYTES,
     Checkpoint,
@@ -201,6 +202,7 @@ def fold(base: str | os.PathLike, backbone: str | os.PathLike | None, expert: st
         PolicyError: unknown policy, bad parameters, or another policy than the state's.
         NonFiniteError: a result overflowed its dtype. OutputExistsError: ``out`` exists.
     """
+    pin_mmap_threshold()
     t0 = time.perf_counter()
     pol = policy if isinstance(policy, Policy) else make_policy(policy, params)
     dev = resolve_device(device)
@@ -381,6 +383,7 @@ def merge(base: str | os.PathLike, experts: list[str | os.PathLike], policy: str
 
     Memory: K + 2 tensors per worker. Raises the same errors as :func:`fold`.
     """
+    pin_mmap_threshold()
     t0 = time.perf_counter()
     pol = policy if isinstance(policy, Policy) else make_policy(policy, params)
     dev = resolve_device(device)
@@ -448,6 +451,7 @@ def unmerge(state_dir: str | os.PathLike, expert_id: str, mode: str, *, out: str
     Raises:
         StateError: unknown expert, missing contribution, or (replay) an expert file that is gone.
     """
+    pin_mmap_threshold()
     if mode not in ("subtract", "replay"):
         raise MergestreamError(f"unknown unmerge mode {mode!r}: use subtract or replay")
     t0 = time.perf_counter()
