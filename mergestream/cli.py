@@ -117,22 +117,172 @@ def merge_cmd(base, policy, sets, out, as_json, experts, device, threads, max_sh
 
 
 @cli.command("unmerge")
-@click.option("--state", "state_dir", required=True, type=click.Path(exists=True), help="policy state folder")
-@click.option("--expert", "expert_id", required=True, help="id of the expert to remove")
+@click.argument("expert", required=False)
+@click.option("--config", "config_path", type=click.Path(), help="daemon config: publish a version without EXPERT")
+@click.option("--state", "state_dir", type=click.Path(exists=True), help="policy state folder (one-shot form)")
+@click.option("--expert", "expert_id", help="id of the expert to remove (one-shot form)")
 @click.option("--mode", type=click.Choice(["subtract", "replay"]), default="subtract", show_default=True)
-@click.option("--out", required=True, type=click.Path(), help="output model folder (must not exist)")
+@click.option("--out", type=click.Path(), help="output model folder (must not exist; one-shot form)")
 @click.option("--backbone", type=click.Path(), help="override the backbone recorded in the state")
 @click.option("--base", type=click.Path(), help="override the base recorded in the state")
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
 @_engine_options
 @_fail_cleanly
-def unmerge_cmd(state_dir, expert_id, mode, out, backbone, base, as_json, device, threads, max_shard_bytes) -> None:
-    """Remove one expert's contribution (subtract) or refold without it (replay)."""
+def unmerge_cmd(expert, config_path, state_dir, expert_id, mode, out, backbone, base, as_json, device, threads,
+                max_shard_bytes) -> None:
+    """Remove an expert.
+
+    \b
+    Daemon form:   mergestream unmerge EXPERT --config FILE
+                   (a new version without EXPERT, through the probes and the gate)
+    One-shot form: mergestream unmerge --state DIR --expert ID --mode subtract|replay --out OUT
+    """
+    if config_path:
+        if not expert:
+            raise MergestreamError("unmerge --config needs the EXPERT id as argument")
+        _operator(config_path, "unmerge", expert)
+        return
+    if not (state_dir and (expert_id or expert) and out):
+        raise MergestreamError("unmerge needs either EXPERT --config FILE, or --state DIR --expert ID --out OUT")
     from .engine import unmerge
 
-    rep = unmerge(state_dir, expert_id, mode, out=out, backbone=backbone, base=base, device=device,
+    rep = unmerge(state_dir, expert_id or expert, mode, out=out, backbone=backbone, base=base, device=device,
                   threads=threads, max_shard_bytes=max_shard_bytes)
     _report(rep, as_json)
+
+
+# -- the daemon and its operator commands ---------------------------------------------------------
+def _operator(config_path: str, verb: str, arg: str | None) -> None:
+    """Send a command to the running daemon (through the ledger), or run it here if none runs."""
+    import time
+
+    from .config import load_config
+    from .daemon.ledger import Ledger
+    from .daemon.store import Store
+
+    cfg = load_config(config_path)
+    store = Store(cfg.state_dir)
+    if store.is_locked():
+        ledger = Ledger(cfg.state_dir / "ledger.sqlite")
+        row = ledger.add_command(verb, arg)
+        deadline = time.time() + 3600
+        while time.time() < deadline:
+            cmd = ledger.command(row)
+            if cmd and cmd["done"]:
+                result = json.loads(cmd["result"])
+                break
+            time.sleep(0.2)
+        else:
+            raise MergestreamError(f"the daemon did not answer {verb} within an hour")
+    else:
+        from .daemon.service import Service
+
+        svc = Service(cfg, serve_metrics=False, watch_sources=False)
+        svc.start()
+        try:
+            result = json.loads(svc.execute(verb, arg))
+        finally:
+            svc.shutdown()
+    if not result["ok"]:
+        raise MergestreamError(result["message"])
+    click.echo(result["message"])
+
+
+@cli.command("init")
+@click.argument("folder", type=click.Path())
+@click.option("--base", required=True, type=click.Path(exists=True), help="the pretrained base θ₀")
+@click.option("--policy", default="task_arithmetic", show_default=True, help="merge policy")
+@_fail_cleanly
+def init_cmd(folder, base, policy) -> None:
+    """Write a commented starter FOLDER/config.yaml (inbox FOLDER/inbox, state FOLDER/state)."""
+    from .config import write_starter
+    from .policies import make_policy
+
+    make_policy(policy)
+    path = write_starter(folder, base, policy)
+    click.echo(f"wrote {path}; start the daemon with: mergestream run --config {path}")
+
+
+@cli.command("run")
+@click.option("--config", "config_path", required=True, type=click.Path(), help="daemon config (YAML)")
+@_fail_cleanly
+def run_cmd(config_path) -> None:
+    """Run the daemon: watch the sources, fold, probe, publish or roll back, serve metrics."""
+    from .config import load_config
+    from .daemon.service import Service
+    from .logs import setup_logging
+
+    cfg = load_config(config_path)
+    setup_logging(cfg.log_format)
+    Service(cfg).run()
+
+
+@cli.command("status")
+@click.option("--config", "config_path", required=True, type=click.Path(), help="daemon config (YAML)")
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
+@_fail_cleanly
+def status_cmd(config_path, as_json) -> None:
+    """Current version, queue and every expert's status."""
+    from .config import load_config
+    from .daemon.ledger import Ledger
+    from .daemon.store import Store
+
+    cfg = load_config(config_path)
+    store = Store(cfg.state_dir)
+    ledger = Ledger(cfg.state_dir / "ledger.sqlite")
+    experts = [{"id": e.expert_id, "status": e.status, "source": e.source, "uri": e.uri, "version": e.version,
+                "reason": e.reason, "sha256": e.sha256} for e in ledger.experts()]
+    doc = {"current_version": store.current(), "versions": store.numbers(), "policy": cfg.policy.name,
+           "queue_depth": ledger.queue_depth(), "daemon_running": store.is_locked(),
+           "tracking_pending": len(ledger.outbox()), "experts": experts}
+    if as_json:
+        click.echo(json.dumps(doc, indent=2))
+        return
+    click.echo(f"current version: {doc['current_version']}  (kept: {doc['versions']})  policy: {cfg.policy.name}  "
+               f"daemon: {'running' if doc['daemon_running'] else 'stopped'}  queue: {doc['queue_depth']}")
+    for e in experts:
+        extra = f"  v{e['version']}" if e["version"] else ""
+        reason = f"  ({e['reason']})" if e["reason"] else ""
+        click.echo(f"  {e['id']:<24} {e['status']:<9}{extra}{reason}")
+
+
+@cli.command("history")
+@click.option("--config", "config_path", required=True, type=click.Path(), help="daemon config (YAML)")
+@click.option("--json", "as_json", is_flag=True, help="print JSON")
+@_fail_cleanly
+def history_cmd(config_path, as_json) -> None:
+    """Every fold, unmerge and rollback with its decision, reason and probe values."""
+    from .config import load_config
+    from .daemon.ledger import Ledger
+
+    cfg = load_config(config_path)
+    folds = Ledger(cfg.state_dir / "ledger.sqlite").folds()
+    if as_json:
+        click.echo(json.dumps(folds, indent=2))
+        return
+    for f in folds:
+        probes = ", ".join(f"{k}={v:.4g}" for k, v in sorted(f["probes"].items()))
+        ver = f" -> v{f['version']}" if f["version"] else ""
+        reason = f"  reason: {f['reason']}" if f["reason"] else ""
+        click.echo(f"{f['row']:>4} {f['kind']:<8} {str(f['expert_id']):<20} {f['decision']:<9}{ver}  {probes}{reason}")
+
+
+@cli.command("rollback")
+@click.option("--config", "config_path", required=True, type=click.Path(), help="daemon config (YAML)")
+@click.option("--to", "version", required=True, type=int, help="published version to make current")
+@_fail_cleanly
+def rollback_cmd(config_path, version) -> None:
+    """Point `current` back at an earlier version."""
+    _operator(config_path, "rollback", str(version))
+
+
+@cli.command("retry")
+@click.argument("expert")
+@click.option("--config", "config_path", required=True, type=click.Path(), help="daemon config (YAML)")
+@_fail_cleanly
+def retry_cmd(expert, config_path) -> None:
+    """Queue a rejected or failed expert again."""
+    _operator(config_path, "retry", expert)
 
 
 @cli.command("inspect")

@@ -1,0 +1,284 @@
+"""The daemon's configuration: one YAML file validated by pydantic, environment overrides on top.
+
+Every field is documented below; unknown keys are an error. Environment variables override the
+file for secrets and URIs: ``MERGESTREAM_<FIELD>`` and ``MERGESTREAM_<SECTION>__<FIELD>`` (e.g.
+``MERGESTREAM_MLFLOW__TRACKING_URI``, ``MERGESTREAM_MLFLOW__WEBHOOK__SECRET``). Relative paths are
+resolved against the config file's folder.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from .errors import MergestreamError
+
+
+class ConfigError(MergestreamError):
+    """The configuration file is missing, unreadable or invalid."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PolicyConfig(_Section):
+    """The merge policy and its parameters (names as in METHODS.md)."""
+
+    name: str = Field("task_arithmetic", description="task_arithmetic | ties | safe_merge | mdm_oc | opcm | magmax")
+    params: dict[str, Any] = Field(default_factory=dict, description="policy parameters, e.g. {lambda: 0.3}")
+    unmerge_mode: Literal["subtract", "replay"] = Field("subtract", description="how `unmerge EXPERT` removes an expert")
+
+
+class WatchConfig(_Section):
+    """The inbox folder watcher."""
+
+    enabled: bool = Field(True, description="watch the inbox folder")
+    settle_seconds: float = Field(2.0, ge=0, description="sizes must be stable this long (s) without a READY marker")
+    polling: bool = Field(False, description="poll the folder instead of inotify (network filesystems)")
+    poll_interval: float = Field(1.0, gt=0, description="polling / settle check period (s)")
+
+
+class RegistryConfig(_Section):
+    """Poll an MLflow model registry for new expert versions."""
+
+    enabled: bool = Field(False, description="poll the registry")
+    models: list[str] = Field(default_factory=list, description="registered model names holding experts")
+    tag_filter: dict[str, str] = Field(default_factory=dict, description="only versions with these tags")
+    interval_seconds: float = Field(30.0, gt=0, description="poll period (s)")
+    tracking_uri: str | None = Field(None, description="registry server; default: mlflow.tracking_uri")
+    max_retries: int = Field(5, ge=0, description="download retries per version")
+    backoff_seconds: float = Field(1.0, ge=0, description="first retry delay (s), doubled each time")
+
+
+class WebhookConfig(_Section):
+    """Optional MLflow webhook receiver (model_version.created); it only triggers a poll."""
+
+    enabled: bool = False
+    host: str = "127.0.0.1"
+    port: int = Field(9109, ge=0, le=65535)
+    secret: SecretStr | None = Field(None, description="HMAC secret shared with MLflow (use the env override)")
+
+
+class MlflowConfig(_Section):
+    """MLflow tracking (one run per fold) and backbone registration."""
+
+    enabled: bool = Field(True, description="log folds and register versions")
+    tracking_uri: str | None = Field(None, description="default: sqlite store inside state_dir")
+    experiment: str = Field("mergestream", description="experiment holding one run per fold")
+    registered_model: str = Field("mergestream-backbone", description="where accepted versions are registered")
+    alias: str = Field("champion", description="alias moved to the current version")
+    retry_seconds: float = Field(30.0, gt=0, description="retry period for tracking calls that failed (s)")
+    registry: RegistryConfig = Field(default_factory=RegistryConfig)
+    webhook: WebhookConfig = Field(default_factory=WebhookConfig)
+
+
+class MetricsConfig(_Section):
+    """Prometheus endpoint (/metrics, /healthz, /readyz)."""
+
+    enabled: bool = True
+    host: str = Field("127.0.0.1", description="bind address")
+    port: int = Field(9108, ge=0, le=65535, description="0 picks a free port")
+
+
+class ProbeConfig(_Section):
+    """One probe: ``type`` is a built-in (weight_space, sentence_similarity, perplexity, classification)
+    or ``entrypoint`` (with ``params.target: package.module:function``)."""
+
+    type: str
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class GateRule(_Section):
+    """A rule on one probe metric; every set bound must hold for the candidate to be accepted."""
+
+    metric: str = Field(description="probe metric name, e.g. step_drift, sts_spearman, acc.sst2")
+    direction: Literal["higher", "lower"] = Field("higher", description="which way is better")
+    against: Literal["current", "base", "both"] = Field("current", description="reference for drop limits")
+    max_abs_drop: float | None = Field(None, ge=0, description="largest allowed worsening, in metric units")
+    max_rel_drop: float | None = Field(None, ge=0, description="largest allowed worsening, fraction of the reference")
+    max_value: float | None = Field(None, description="absolute upper bound")
+    min_value: float | None = Field(None, description="absolute lower bound")
+    max_ratio_to_history: float | None = Field(
+        None, gt=0, description="candidate must be <= ratio x median of this metric over accepted folds")
+    required: bool = Field(False, description="reject when the metric is missing (default: skip the rule)")
+
+
+def default_gate_rules() -> list[GateRule]:
+    """Safe defaults on the data-free probes: a fold may not move the weights far more than earlier
+    folds did (a task vector scaled x50 is rejected), nor drift more than half of ‖θ₀‖ in all."""
+    return [
+        GateRule(metric="step_drift", direction="lower", max_ratio_to_history=10.0),
+        GateRule(metric="relative_drift", direction="lower", max_value=0.5),
+    ]
+
+
+class GateConfig(_Section):
+    """Accept / reject rules applied to each candidate's probe values."""
+
+    rules: list[GateRule] = Field(default_factory=default_gate_rules)
+
+
+class Config(BaseSettings):
+    """The whole daemon configuration (see ``mergestream init`` for a commented example)."""
+
+    model_config = SettingsConfigDict(extra="forbid", frozen=True, env_prefix="MERGESTREAM_",
+                                      env_nested_delimiter="__")
+
+    base: Path = Field(description="the pretrained base θ₀ (file or Hugging Face folder)")
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    inbox: Path = Field(Path("inbox"), description="folder watched for new experts")
+    state_dir: Path = Field(Path("state"), description="versions, ledger, lock, caches")
+    watch: WatchConfig = Field(default_factory=WatchConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    mlflow: MlflowConfig = Field(default_factory=MlflowConfig)
+    probes: list[ProbeConfig] = Field(default_factory=lambda: [ProbeConfig(type="weight_space")])
+    gate: GateConfig = Field(default_factory=GateConfig)
+    retention: int = Field(5, ge=1, description="published versions kept (current is never deleted)")
+    device: str = Field("cpu", description="math device for folds (cpu, cuda)")
+    fold_threads: int = Field(1, ge=1, description="tensor-level worker threads per fold")
+    torch_threads: int | None = Field(None, ge=1, description="torch.set_num_threads; default: torch's")
+    max_shard_bytes: int = Field(5 * 1024**3, gt=0, description="output shard cap (bytes)")
+    log_format: Literal["json", "text"] = Field("json", description="structured log lines")
+    write_patches: bool = Field(True, description="write versions/N/patch-from-<N-1>.safetensors")
+
+    @field_validator("probes")
+    @classmethod
+    def _weight_space_always_on(cls, v: list[ProbeConfig]) -> list[ProbeConfig]:
+        if not any(p.type == "weight_space" for p in v):
+            v = [ProbeConfig(type="weight_space"), *v]
+        return v
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
+                                   file_secret_settings) -> tuple[PydanticBaseSettingsSource, ...]:
+        return env_settings, init_settings
+
+    def tracking_uri(self) -> str:
+        """The MLflow tracking URI in use (default: sqlite inside the state folder)."""
+        return self.mlflow.tracking_uri or f"sqlite:///{(self.state_dir / 'mlflow.db').resolve()}"
+
+
+def _resolve(data: dict[str, Any], root: Path) -> dict[str, Any]:
+    for key in ("base", "inbox", "state_dir"):
+        if isinstance(data.get(key), str) and not os.path.isabs(os.path.expanduser(data[key])):
+            data[key] = str((root / data[key]).resolve())
+    return data
+
+
+def load_config(path: str | os.PathLike) -> Config:
+    """Read and validate a YAML config; environment overrides win.
+
+    Raises:
+        ConfigError: missing/unreadable file, YAML syntax, or validation errors (all listed).
+    """
+    p = Path(path)
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"config file {p} not found") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: invalid YAML ({exc})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: the top level must be a mapping")
+    try:
+        return Config(**_resolve(data, p.resolve().parent))
+    except ValidationError as exc:
+        errs = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise ConfigError(f"{p}: {errs}") from None
+
+
+STARTER = """\
+# mergestream daemon configuration (written by `mergestream init`).
+# Every key is optional except `base`. Environment variables override this file:
+# MERGESTREAM_<KEY> or MERGESTREAM_<SECTION>__<KEY>, e.g. MERGESTREAM_MLFLOW__TRACKING_URI.
+# Relative paths are resolved against this file's folder.
+
+# The pretrained base θ₀ every expert was fine-tuned from (file or Hugging Face folder).
+base: {base}
+
+# The merge policy and its parameters (names as in METHODS.md):
+#   task_arithmetic {{lambda}} | ties {{lambda, k}} | safe_merge {{rho, lambda, k, k_s, rank, steps, lambda_old}}
+#   mdm_oc {{alpha, rank, coefficients}} | opcm {{alpha}} | magmax {{lambda}}
+policy:
+  name: {policy}
+  params: {{}}
+  unmerge_mode: subtract        # how `mergestream unmerge EXPERT` removes an expert: subtract | replay
+
+# New experts arrive here: a .safetensors file, a Hugging Face folder or a PEFT LoRA adapter folder.
+# One is ready when a READY marker appears (inside a folder; `<file>.READY` next to a file), or when
+# its files are complete and their sizes stayed unchanged for settle_seconds.
+inbox: inbox
+watch:
+  settle_seconds: 2.0
+  polling: false                # true for network filesystems
+
+# Published versions (versions/NNNNNN), the `current` pointer, the ledger and caches.
+state_dir: state
+retention: 5                    # published versions kept; `current` is never deleted
+
+# Prometheus metrics on http://HOST:PORT/metrics, plus /healthz and /readyz.
+metrics:
+  host: 127.0.0.1
+  port: 9108
+
+# MLflow: one run per fold; accepted versions registered under `registered_model` with `alias`.
+# Without tracking_uri, a sqlite store inside state_dir is used (no server needed).
+mlflow:
+  enabled: true
+  # tracking_uri: http://127.0.0.1:5000
+  experiment: mergestream
+  registered_model: mergestream-backbone
+  alias: champion
+  registry:                     # also take experts from a model registry
+    enabled: false
+    models: []                  # registered model names holding experts
+    interval_seconds: 30
+
+# Probes run on every candidate before it is published. weight_space (data-free: relative_drift,
+# step_drift, general_subspace_energy, max_task_cosine) is always on. Data probes, e.g.:
+#   - type: sentence_similarity
+#     params: {{data: stsb_test.tsv, metric: sts_spearman}}
+#   - type: classification      # experts that ship mergestream_probe/ keep being probed
+#   - type: entrypoint
+#     params: {{target: mypackage.probes:score}}
+probes:
+  - type: weight_space
+
+# Gate: every rule must hold or the candidate is rejected (rolled back) and `current` stays.
+# Defaults reject a fold that moves the weights far more than earlier folds did.
+gate:
+  rules:
+    - metric: step_drift        # ||θ_t − θ_(t−1)|| / ||θ₀||
+      direction: lower
+      max_ratio_to_history: 10  # at most 10x the median of accepted folds
+    - metric: relative_drift    # ||θ_t − θ₀|| / ||θ₀||
+      direction: lower
+      max_value: 0.5
+    # - metric: sts_spearman
+    #   direction: higher
+    #   against: base
+    #   max_abs_drop: 5.0
+"""
+
+
+def write_starter(folder: str | os.PathLike, base: str, policy: str = "task_arithmetic") -> Path:
+    """Write ``folder/config.yaml`` (commented) and create ``folder/inbox``; returns the file path.
+
+    Raises:
+        ConfigError: the config file already exists.
+    """
+    d = Path(folder)
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / "config.yaml"
+    if path.exists():
+        raise ConfigError(f"{path} already exists")
+    (d / "inbox").mkdir(exist_ok=True)
+    path.write_text(STARTER.format(base=str(Path(base).resolve()), policy=policy))
+    load_config(path)  # the starter must always validate
+    return path

@@ -1,0 +1,290 @@
+"""The ledger: the durable record (SQLite, WAL mode) of every expert, fold and version; the queue.
+
+Tables:
+    experts   one row per distinct expert (same content hash or same registry version = one row);
+              status pending -> folding -> accepted | rejected | failed; accepted -> unmerged.
+    folds     one row per attempt (fold, unmerge, rollback): policy, parameters, timings, probe
+              values, decision and reason.
+    versions  every published version: number, path, the expert ids it holds, fold row.
+    sources   per-source cursors (last registry version per model).
+    commands  operator requests (rollback, unmerge, retry) for a running daemon to execute.
+    outbox    tracking calls (MLflow) that failed and are retried later.
+    meta      small key/value facts (e.g. the base's probe values).
+
+One connection guarded by a lock serves all threads of the daemon; other processes (``status``,
+``history``) open their own connections: WAL lets them read while the daemon writes.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+STATUSES = ("pending", "folding", "accepted", "rejected", "failed", "unmerged")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS experts (
+    row INTEGER PRIMARY KEY AUTOINCREMENT,
+    expert_id TEXT NOT NULL UNIQUE,
+    source TEXT NOT NULL,
+    uri TEXT NOT NULL,
+    sha256 TEXT NOT NULL UNIQUE,
+    registry_key TEXT UNIQUE,
+    metadata TEXT NOT NULL DEFAULT '{}',
+    status TEXT NOT NULL DEFAULT 'pending',
+    reason TEXT,
+    version INTEGER,
+    created REAL NOT NULL,
+    updated REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS folds (
+    row INTEGER PRIMARY KEY AUTOINCREMENT,
+    kind TEXT NOT NULL,
+    expert_id TEXT,
+    policy TEXT,
+    params TEXT,
+    started REAL NOT NULL,
+    seconds REAL,
+    timings TEXT,
+    probes TEXT,
+    decision TEXT,
+    reason TEXT,
+    version INTEGER
+);
+CREATE TABLE IF NOT EXISTS versions (
+    number INTEGER PRIMARY KEY,
+    path TEXT NOT NULL,
+    experts TEXT NOT NULL,
+    fold_row INTEGER,
+    created REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS sources (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS commands (
+    row INTEGER PRIMARY KEY AUTOINCREMENT,
+    verb TEXT NOT NULL,
+    arg TEXT,
+    created REAL NOT NULL,
+    done REAL,
+    result TEXT
+);
+CREATE TABLE IF NOT EXISTS outbox (
+    row INTEGER PRIMARY KEY AUTOINCREMENT,
+    kind TEXT NOT NULL,
+    payload TEXT NOT NULL,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    last_error TEXT,
+    created REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
+
+
+@dataclass(frozen=True)
+class ExpertRow:
+    """One expert as the ledger knows it."""
+
+    row: int
+    expert_id: str
+    source: str
+    uri: str
+    sha256: str
+    registry_key: str | None
+    metadata: dict[str, Any]
+    status: str
+    reason: str | None
+    version: int | None
+    created: float
+    updated: float
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class Ledger:
+    """SQLite ledger at ``path`` (created with its schema if absent)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.RLock()
+        self._db = sqlite3.connect(str(self.path), check_same_thread=False, timeout=30, isolation_level=None)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    def _q(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    # -- experts / queue ----------------------------------------------------------------------
+    @staticmethod
+    def _expert(r: sqlite3.Row) -> ExpertRow:
+        d = dict(r)
+        d["metadata"] = json.loads(d["metadata"] or "{}")
+        return ExpertRow(**d)
+
+    def enqueue(self, expert_id: str, source: str, uri: str, sha256: str, registry_key: str | None = None,
+                metadata: dict[str, Any] | None = None) -> tuple[ExpertRow, bool]:
+        """Record an expert as pending, idempotently.
+
+        The same content hash or the same registry key is one row however often it arrives; an id
+        already used by other content gets a numeric suffix (``name-2``).
+
+        Returns:
+            (the row, True if it was new).
+        """
+        now = time.time()
+        with self._tx() as db:
+            found = db.execute("SELECT * FROM experts WHERE sha256 = ? OR (registry_key IS NOT NULL AND registry_key = ?)",
+                               (sha256, registry_key)).fetchone()
+            if found:
+                return self._expert(found), False
+            eid, n = expert_id, 1
+            while db.execute("SELECT 1 FROM experts WHERE expert_id = ?", (eid,)).fetchone():
+                n += 1
+                eid = f"{expert_id}-{n}"
+            db.execute("INSERT INTO experts (expert_id, source, uri, sha256, registry_key, metadata, status, created, updated)"
+                       " VALUES (?, ?, ?, ?, ?, ?, 'pending', ?, ?)",
+                       (eid, source, uri, sha256, registry_key, json.dumps(metadata or {}), now, now))
+            row = db.execute("SELECT * FROM experts WHERE expert_id = ?", (eid,)).fetchone()
+            return self._expert(row), True
+
+    def next_pending(self) -> ExpertRow | None:
+        """Claim the oldest pending expert (status -> folding), or None."""
+        with self._tx() as db:
+            r = db.execute("SELECT * FROM experts WHERE status = 'pending' ORDER BY row LIMIT 1").fetchone()
+            if r is None:
+                return None
+            db.execute("UPDATE experts SET status = 'folding', updated = ? WHERE row = ?", (time.time(), r["row"]))
+            return self._expert(db.execute("SELECT * FROM experts WHERE row = ?", (r["row"],)).fetchone())
+
+    def set_status(self, expert_id: str, status: str, reason: str | None = None, version: int | None = None) -> None:
+        if status not in STATUSES:
+            raise ValueError(status)
+        with self._tx() as db:
+            db.execute("UPDATE experts SET status = ?, reason = ?, version = COALESCE(?, version), updated = ?"
+                       " WHERE expert_id = ?", (status, reason, version, time.time(), expert_id))
+
+    def requeue_interrupted(self) -> list[str]:
+        """Experts left ``folding`` by a crash go back to pending (folded once, on restart)."""
+        with self._tx() as db:
+            ids = [r["expert_id"] for r in db.execute("SELECT expert_id FROM experts WHERE status = 'folding'")]
+            db.execute("UPDATE experts SET status = 'pending', updated = ? WHERE status = 'folding'", (time.time(),))
+            return ids
+
+    def expert(self, expert_id: str) -> ExpertRow | None:
+        rows = self._q("SELECT * FROM experts WHERE expert_id = ?", (expert_id,))
+        return self._expert(rows[0]) if rows else None
+
+    def experts(self) -> list[ExpertRow]:
+        return [self._expert(r) for r in self._q("SELECT * FROM experts ORDER BY row")]
+
+    def queue_depth(self) -> int:
+        return int(self._q("SELECT COUNT(*) FROM experts WHERE status IN ('pending', 'folding')")[0][0])
+
+    # -- folds and versions ---------------------------------------------------------------------
+    def record_fold(self, kind: str, expert_id: str | None, policy: str | None, params: dict | None, started: float,
+                    seconds: float, timings: dict, probes: dict, decision: str, reason: str | None,
+                    version: int | None) -> int:
+        with self._tx() as db:
+            cur = db.execute("INSERT INTO folds (kind, expert_id, policy, params, started, seconds, timings, probes,"
+                             " decision, reason, version) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                             (kind, expert_id, policy, json.dumps(params or {}), started, seconds, json.dumps(timings),
+                              json.dumps(probes), decision, reason, version))
+            return int(cur.lastrowid)
+
+    def folds(self) -> list[dict[str, Any]]:
+        out = []
+        for r in self._q("SELECT * FROM folds ORDER BY row"):
+            d = dict(r)
+            for k in ("params", "timings", "probes"):
+                d[k] = json.loads(d[k]) if d[k] else {}
+            out.append(d)
+        return out
+
+    def add_version(self, number: int, path: str, experts: list[str], fold_row: int | None) -> None:
+        with self._tx() as db:
+            db.execute("INSERT INTO versions (number, path, experts, fold_row, created) VALUES (?, ?, ?, ?, ?)",
+                       (number, path, json.dumps(experts), fold_row, time.time()))
+
+    def versions(self) -> list[dict[str, Any]]:
+        return [dict(r) | {"experts": json.loads(r["experts"])} for r in self._q("SELECT * FROM versions ORDER BY number")]
+
+    def accepted_probe_history(self) -> list[dict[str, float]]:
+        """Probe values of every accepted fold, oldest first."""
+        return [json.loads(r[0]) for r in self._q("SELECT probes FROM folds WHERE kind = 'fold' AND decision = 'accepted'"
+                                                   " ORDER BY row")]
+
+    # -- cursors, commands, outbox, meta ----------------------------------------------------------
+    def get_cursor(self, key: str, default: str | None = None) -> str | None:
+        rows = self._q("SELECT value FROM sources WHERE key = ?", (key,))
+        return rows[0][0] if rows else default
+
+    def set_cursor(self, key: str, value: str) -> None:
+        with self._tx() as db:
+            db.execute("INSERT INTO sources (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+                       (key, value))
+
+    def add_command(self, verb: str, arg: str | None) -> int:
+        with self._tx() as db:
+            return int(db.execute("INSERT INTO commands (verb, arg, created) VALUES (?, ?, ?)",
+                                  (verb, arg, time.time())).lastrowid)
+
+    def pending_commands(self) -> list[dict[str, Any]]:
+        return [dict(r) for r in self._q("SELECT * FROM commands WHERE done IS NULL ORDER BY row")]
+
+    def finish_command(self, row: int, result: str) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE commands SET done = ?, result = ? WHERE row = ?", (time.time(), result, row))
+
+    def command(self, row: int) -> dict[str, Any] | None:
+        rows = self._q("SELECT * FROM commands WHERE row = ?", (row,))
+        return dict(rows[0]) if rows else None
+
+    def outbox_add(self, kind: str, payload: dict[str, Any], error: str) -> None:
+        with self._tx() as db:
+            db.execute("INSERT INTO outbox (kind, payload, attempts, last_error, created) VALUES (?, ?, 1, ?, ?)",
+                       (kind, json.dumps(payload), error, time.time()))
+
+    def outbox(self) -> list[dict[str, Any]]:
+        return [dict(r) | {"payload": json.loads(r["payload"])} for r in self._q("SELECT * FROM outbox ORDER BY row")]
+
+    def outbox_done(self, row: int) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM outbox WHERE row = ?", (row,))
+
+    def outbox_failed(self, row: int, error: str) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE outbox SET attempts = attempts + 1, last_error = ? WHERE row = ?", (error, row))
+
+    def get_meta(self, key: str) -> Any:
+        rows = self._q("SELECT value FROM meta WHERE key = ?", (key,))
+        return json.loads(rows[0][0]) if rows else None
+
+    def set_meta(self, key: str, value: Any) -> None:
+        with self._tx() as db:
+            db.execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+                       (key, json.dumps(value)))

@@ -1,0 +1,519 @@
+"""The service loop: dequeue -> fold -> probe -> gate -> publish | roll back; signals; resume.
+
+One fold at a time, in arrival order. Sources (folder watcher, registry poller) only enqueue into
+the ledger; the loop claims the oldest pending expert, folds it into a staging folder through the
+engine, probes the candidate, asks the gate, and either publishes it as the next version (moving
+``current`` atomically) or discards it. Operator commands (rollback, unmerge, retry) reach a running
+daemon through the ledger's command table and run on the same loop, so nothing races a fold.
+
+Crash safety: ``current`` always names a complete version. On start the service removes stale
+staging folders and puts experts left ``folding`` back to pending, so an interrupted expert is
+folded exactly once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from .. import engine
+from ..checkpoints import read_state_dict  # noqa: F401  (re-exported for tests)
+from ..config import Config
+from ..errors import CheckpointError, MergestreamError, ValidationError
+from ..state import StateDir
+from . import gate
+from .ledger import ExpertRow, Ledger
+from .metrics import Metrics, MetricsServer
+from .store import Store
+from .tracking import Tracker
+
+log = logging.getLogger("mergestream.service")
+
+
+def content_sha256(path: str | os.PathLike) -> str:
+    """sha256 over every regular file of an expert (relative name + bytes, sorted), streamed.
+
+    Works on files that do not parse (so a corrupt expert still gets one ledger row).
+    """
+    p = Path(path)
+    files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file() and f.name != "READY")
+    h = hashlib.sha256()
+    for f in files:
+        h.update(str(f.relative_to(p) if p.is_dir() else f.name).encode())
+        with open(f, "rb") as fh:
+            while chunk := fh.read(16 * 1024 * 1024):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+class Service:
+    """The daemon. ``start()`` takes the lock and starts everything; ``run()`` loops until stopped."""
+
+    def __init__(self, cfg: Config, *, registry=None, serve_metrics: bool = True, watch_sources: bool = True):
+        self.cfg = cfg
+        self.store = Store(cfg.state_dir)
+        self.metrics = Metrics(registry)
+        self.ledger: Ledger | None = None
+        self.tracker: Tracker | None = None
+        self.server: MetricsServer | None = None
+        self.sources: list[Any] = []
+        self.webhook = None
+        self.wake = threading.Event()
+        self.stopping = threading.Event()
+        self._serve_metrics = serve_metrics and cfg.metrics.enabled
+        self._watch = watch_sources
+        self._probes: list[Any] | None = None
+        self._last_retry = 0.0
+        self._delay = float(os.environ.get("MERGESTREAM_FOLD_DELAY_SECONDS", "0") or 0)  # testing aid
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Lock the state folder, open the ledger, clean up after a crash, start metrics and sources.
+
+        Raises:
+            LockedError: another daemon holds the state folder.
+        """
+        self.store.lock()
+        self.cfg.state_dir.mkdir(parents=True, exist_ok=True)
+        self.cfg.inbox.mkdir(parents=True, exist_ok=True)
+        self.ledger = Ledger(self.cfg.state_dir / "ledger.sqlite")
+        stale = self.store.clean_staging()
+        requeued = self.ledger.requeue_interrupted()
+        if stale or requeued:
+            log.warning("resumed after an interruption: removed %d staging folder(s), re-queued %s", stale, requeued)
+        if self.cfg.torch_threads:
+            import torch
+
+            torch.set_num_threads(self.cfg.torch_threads)
+        self.tracker = Tracker(self.cfg.mlflow, self.cfg.tracking_uri(), self.ledger, self.metrics, self.store.current)
+        self._refresh_gauges()
+        self.metrics.beat()
+        self.metrics.up.set(1)
+        if self._serve_metrics:
+            self.server = MetricsServer(self.metrics, self.cfg.metrics.host, self.cfg.metrics.port)
+            self.server.start()
+            log.info("metrics on http://%s:%d/metrics", self.cfg.metrics.host, self.server.port)
+        self._base_probes()
+        if self._watch:
+            self._start_sources()
+        self.metrics.ready = True
+        log.info("daemon ready state_dir=%s policy=%s current=%s", self.cfg.state_dir, self.cfg.policy.name,
+                 self.store.current())
+
+    def _start_sources(self) -> None:
+        from .sources import FolderSource, RegistrySource
+
+        w = self.cfg.watch
+        if w.enabled:
+            src = FolderSource(self.cfg.inbox, self.on_expert_ready, settle_seconds=w.settle_seconds,
+                               polling=w.polling, poll_interval=w.poll_interval)
+            src.start()
+            self.sources.append(src)
+        r = self.cfg.mlflow.registry
+        if r.enabled and r.models:
+            reg = RegistrySource(r.models, self.on_expert_ready, last_version=self._last_registry_version,
+                                 cache_dir=self.cfg.state_dir / "cache", tracking_uri=r.tracking_uri or self.cfg.tracking_uri(),
+                                 registry_uri=r.tracking_uri or self.cfg.tracking_uri(),
+                                 interval_seconds=r.interval_seconds, tag_filter=r.tag_filter or None,
+                                 max_retries=r.max_retries, backoff_seconds=r.backoff_seconds,
+                                 on_error=lambda exc: self.metrics.source_errors.labels(source="mlflow").inc())
+            reg.start()
+            self.sources.append(reg)
+            wh = self.cfg.mlflow.webhook
+            if wh.enabled:
+                from .sources import WebhookReceiver
+
+                if wh.secret is None:
+                    raise MergestreamError("mlflow.webhook.enabled needs a secret (MERGESTREAM_MLFLOW__WEBHOOK__SECRET)")
+                self.webhook = WebhookReceiver(wh.host, wh.port, wh.secret.get_secret_value(), reg.trigger)
+                self.webhook.start()
+
+    def stop(self) -> None:
+        """Ask the loop to stop after the current step (signal-safe)."""
+        self.stopping.set()
+        self.wake.set()
+
+    def shutdown(self) -> None:
+        for s in self.sources:
+            try:
+                s.stop()
+            except Exception:  # pragma: no cover - best effort on the way out
+                log.exception("stopping source %s", s)
+        if self.webhook is not None:
+            self.webhook.stop()
+        if self.server is not None:
+            self.server.stop()
+        self.metrics.up.set(0)
+        if self.ledger is not None:
+            self.ledger.close()
+        self.store.unlock()
+        log.info("daemon stopped")
+
+    def run(self) -> None:
+        """Start, then loop until SIGTERM/SIGINT; always shuts down cleanly."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.stop())
+        self.start()
+        try:
+            while not self.stopping.is_set():
+                if not self.step():
+                    self.wake.wait(timeout=1.0)
+                    self.wake.clear()
+        finally:
+            self.shutdown()
+
+    def step(self) -> bool:
+        """One loop iteration: commands, tracking retries, then at most one fold. True if it worked."""
+        self.metrics.beat()
+        worked = False
+        for cmd in self.ledger.pending_commands():
+            self.ledger.finish_command(cmd["row"], self.execute(cmd["verb"], cmd["arg"]))
+            worked = True
+        if time.time() - self._last_retry > self.cfg.mlflow.retry_seconds and self.ledger.outbox():
+            self._last_retry = time.time()
+            self.tracker.retry_pending()
+        row = self.ledger.next_pending()
+        if row is not None:
+            self.fold_expert(row)
+            worked = True
+        self._refresh_gauges()
+        return worked
+
+    def execute(self, verb: str, arg: str | None) -> str:
+        """Run an operator command; returns a JSON result {"ok": bool, "message": str}."""
+        try:
+            if verb == "rollback":
+                msg = self.rollback(int(arg))
+            elif verb == "unmerge":
+                msg = self.unmerge(str(arg))
+            elif verb == "retry":
+                msg = self.retry(str(arg))
+            else:
+                raise MergestreamError(f"unknown command {verb!r}")
+            return json.dumps({"ok": True, "message": msg})
+        except MergestreamError as exc:
+            return json.dumps({"ok": False, "message": str(exc)})
+
+    # -- sources -> ledger ----------------------------------------------------------------------------
+    def _last_registry_version(self, model: str) -> int:
+        return int(self.ledger.get_cursor(f"mlflow:{model}", "0"))
+
+    def on_expert_ready(self, ev) -> None:
+        """Source callback (any thread): hash, enqueue idempotently, wake the loop."""
+        try:
+            sha = content_sha256(ev.uri)
+        except OSError as exc:
+            self.metrics.source_errors.labels(source=ev.source).inc()
+            log.warning("cannot read expert %s: %s", ev.uri, exc)
+            return
+        row, new = self.ledger.enqueue(ev.expert_id, ev.source, ev.uri, sha, ev.registry_key, dict(ev.metadata))
+        if ev.registry_key and ev.registry_key.startswith("mlflow:"):
+            _, model, version = ev.registry_key.split(":", 2)
+            if int(version) > self._last_registry_version(model):
+                self.ledger.set_cursor(f"mlflow:{model}", version)
+        if new:
+            self.metrics.experts_seen.labels(source=ev.source).inc()
+            log.info("expert queued id=%s source=%s uri=%s", row.expert_id, ev.source, ev.uri)
+        self.metrics.queue_depth.set(self.ledger.queue_depth())
+        self.wake.set()
+
+    # -- probes -----------------------------------------------------------------------------------------
+    def probes(self) -> list[Any]:
+        if self._probes is None:
+            from .probes import make_probe
+
+            self._probes = [make_probe(p.type, **p.params) for p in self.cfg.probes]
+        return self._probes
+
+    def _task_specs(self, extra: Path | None = None) -> list[Any]:
+        from .probes import discover_task_probe
+
+        specs = []
+        for row in self.ledger.experts():
+            if row.status == "accepted":
+                spec = discover_task_probe(self.cfg.state_dir / "tasks" / row.expert_id)
+                if spec is not None:
+                    specs.append(spec)
+        if extra is not None and (spec := discover_task_probe(extra)) is not None:
+            specs.append(spec)
+        return specs
+
+    def _run_probes(self, model_dir: Path, previous: Path | None, state_dir: Path | None,
+                    candidate_expert: Path | None = None) -> dict[str, float]:
+        from .probes import ProbeContext, run_probes
+
+        contributions = []
+        if state_dir is not None and (state_dir / "manifest.json").exists():
+            sd = StateDir(state_dir)
+            contributions = [state_dir / f.contribution for f in sd.manifest.folds if f.contribution]
+        ctx = ProbeContext(base=Path(self.cfg.base), previous=previous, contributions=contributions,
+                           tasks=self._task_specs(candidate_expert), device=self.cfg.device,
+                           tokenizer=Path(self.cfg.base) if Path(self.cfg.base).is_dir() else None)
+        return run_probes(self.probes(), model_dir, ctx)
+
+    def _base_probes(self) -> dict[str, float]:
+        key = hashlib.sha256(json.dumps([str(self.cfg.base), [p.model_dump() for p in self.cfg.probes]],
+                                        sort_keys=True, default=str).encode()).hexdigest()[:16]
+        cached = self.ledger.get_meta("base_probes")
+        if cached and cached.get("key") == key:
+            return cached["values"]
+        values = self._run_probes(Path(self.cfg.base), None, None)
+        self.ledger.set_meta("base_probes", {"key": key, "values": values})
+        return values
+
+    def _current_probes(self) -> dict[str, float] | None:
+        cur = self.store.current()
+        if cur is None:
+            return None
+        return self.store.fold_json(cur).get("probes")
+
+    # -- the fold ---------------------------------------------------------------------------------------
+    def fold_expert(self, row: ExpertRow) -> str:
+        """Fold one claimed expert; returns its final status (accepted, rejected, failed)."""
+        t0 = time.time()
+        pol = self.cfg.policy
+        staging = self.store.new_staging()
+        cur = self.store.current_path()
+        backbone = cur / "model" if cur else None
+        timings: dict[str, float] = {}
+        log.info("fold start expert=%s policy=%s backbone=%s", row.expert_id, pol.name, backbone)
+        if row.registry_key and not self._registry_version_exists(row.registry_key):
+            return self._finish(row, staging, t0, "rejected", "the registry version was deleted before it was folded",
+                                {}, timings, stage="validation")
+        try:
+            self.store.carry_state(staging / "state")
+            hook = self._tensor_hook()
+            rep = engine.fold(self.cfg.base, backbone, row.uri, pol.name, pol.params, state_dir=staging / "state",
+                              out=staging / "model", expert_id=row.expert_id, device=self.cfg.device,
+                              threads=self.cfg.fold_threads, max_shard_bytes=self.cfg.max_shard_bytes,
+                              tensor_hook=hook)
+            timings["fold_seconds"] = rep.seconds
+            self.metrics.bytes_read.inc(rep.bytes_read)
+            self.metrics.bytes_written.inc(rep.bytes_written)
+        except (ValidationError, CheckpointError, FileNotFoundError) as exc:
+            return self._finish(row, staging, t0, "rejected", f"{type(exc).__name__}: {exc}", {}, timings,
+                                stage="validation")
+        except MergestreamError as exc:
+            return self._finish(row, staging, t0, "failed", f"{type(exc).__name__}: {exc}", {}, timings)
+        except Exception as exc:  # a bug or an environment problem: record it, keep serving
+            log.exception("fold of %s failed", row.expert_id)
+            return self._finish(row, staging, t0, "failed", f"{type(exc).__name__}: {exc}", {}, timings)
+        return self._probe_gate_publish(row, staging, t0, timings, rep.params, kind="fold",
+                                        candidate_expert=Path(row.uri) if Path(row.uri).is_dir() else None)
+
+    def _tensor_hook(self):
+        delay = self._delay
+
+        def hook(_name: str) -> None:
+            self.metrics.beat()
+            if delay:
+                time.sleep(delay)
+
+        return hook
+
+    def _registry_version_exists(self, key: str) -> bool:
+        if not key.startswith("mlflow:"):
+            return True
+        _, model, version = key.split(":", 2)
+        try:
+            from mlflow import MlflowClient
+
+            uri = self.cfg.mlflow.registry.tracking_uri or self.cfg.tracking_uri()
+            MlflowClient(tracking_uri=uri, registry_uri=uri).get_model_version(model, version)
+            return True
+        except Exception as exc:
+            if "RESOURCE_DOES_NOT_EXIST" in str(getattr(exc, "error_code", "")) or "not found" in str(exc).lower():
+                log.warning("skipping %s: version %s of %s was deleted from the registry", key, version, model)
+                return False
+            return True  # registry unreachable: fold what we already downloaded
+
+    def _probe_gate_publish(self, row: ExpertRow | None, staging: Path, t0: float, timings: dict[str, float],
+                            params: dict[str, Any], kind: str, candidate_expert: Path | None = None,
+                            unmerged: str | None = None) -> str:
+        cur = self.store.current_path()
+        try:
+            tp = time.time()
+            values = self._run_probes(staging / "model", cur / "model" if cur else None, staging / "state",
+                                      candidate_expert)
+            timings["probe_seconds"] = time.time() - tp
+        except Exception as exc:
+            log.exception("probes failed")
+            return self._finish(row, staging, t0, "failed", f"probes failed: {type(exc).__name__}: {exc}", {}, timings,
+                                kind=kind, params=params, subject=unmerged)
+        for k, v in values.items():
+            self.metrics.candidate_probe_value.labels(probe=k).set(v)
+        base_values = self.ledger.get_meta("base_probes")
+        decision = gate.evaluate(self.cfg.gate.rules, values, self._current_probes(),
+                                 base_values["values"] if base_values else None, self.ledger.accepted_probe_history())
+        if not decision.accepted:
+            return self._finish(row, staging, t0, "rejected", decision.reason, values, timings, stage="gate",
+                                kind=kind, params=params, subject=unmerged)
+        return self._finish(row, staging, t0, "accepted", None, values, timings, kind=kind, params=params,
+                            subject=unmerged, candidate_expert=candidate_expert)
+
+    def _finish(self, row: ExpertRow | None, staging: Path, t0: float, outcome: str, reason: str | None,
+                probes: dict[str, float], timings: dict[str, float], *, stage: str = "", kind: str = "fold",
+                params: dict[str, Any] | None = None, subject: str | None = None,
+                candidate_expert: Path | None = None) -> str:
+        pol = self.cfg.policy
+        seconds = time.time() - t0
+        expert_id = row.expert_id if row else subject
+        params = params or dict(pol.params)
+        version = None
+        patch_path = None
+        if outcome == "accepted":
+            prev = self.store.current()
+            if prev is not None and self.cfg.write_patches:
+                patch_path = self._write_patch(prev, staging, pol.name)
+            fold_row = self.ledger.record_fold(kind, expert_id, pol.name, params, t0, seconds, timings, probes,
+                                               outcome, reason, None)
+            experts_in = StateDir(staging / "state").manifest.ids() if (staging / "state" / "manifest.json").exists() else []
+            fold_doc = {"kind": kind, "expert": expert_id, "policy": pol.name, "params": params, "probes": probes,
+                        "timings": timings, "decision": outcome, "experts": experts_in, "previous": prev,
+                        "time": time.time()}
+            version = self.store.publish(staging, fold_doc)
+            self.ledger.add_version(version, str(self.store.path(version)), experts_in, fold_row)
+            with self.ledger._tx() as db:
+                db.execute("UPDATE folds SET version = ? WHERE row = ?", (version, fold_row))
+            if kind == "fold" and row is not None:
+                self.ledger.set_status(row.expert_id, "accepted", None, version)
+                if candidate_expert is not None:
+                    self._keep_task_probe(row.expert_id, candidate_expert)
+            self.metrics.last_success.set(time.time())
+            for k, v in probes.items():
+                self.metrics.probe_value.labels(probe=k).set(v)
+            removed = self.store.retain(self.cfg.retention)
+            if removed:
+                log.info("retention removed versions %s", removed)
+            log.info("published version=%d expert=%s kind=%s seconds=%.2f", version, expert_id, kind, seconds)
+        else:
+            shutil.rmtree(staging, ignore_errors=True)
+            self.ledger.record_fold(kind, expert_id, pol.name, params, t0, seconds, timings, probes, outcome, reason, None)
+            if kind == "fold" and row is not None:
+                self.ledger.set_status(row.expert_id, outcome, reason)
+            if outcome == "rejected":
+                self.metrics.experts_rejected.labels(stage=stage or "gate").inc()
+                if stage == "gate":
+                    self.metrics.rollbacks.inc()
+            log.warning("%s %s expert=%s reason=%s", kind, outcome, expert_id, reason)
+        self.metrics.folds.labels(policy=pol.name, outcome=outcome).inc()
+        self.metrics.fold_duration.labels(policy=pol.name).observe(seconds)
+        self._track(kind, expert_id, outcome, reason, params, probes, timings, t0, version, patch_path)
+        self._refresh_gauges()
+        return outcome
+
+    def _write_patch(self, prev: int, staging: Path, policy: str) -> Path | None:
+        try:
+            from ..patch_build import build_patch
+        except ImportError:  # pragma: no cover - patches are optional
+            return None
+        out = staging / f"patch-from-{prev:06d}.safetensors"
+        try:
+            stats = build_patch(self.store.path(prev) / "model", staging / "model", out,
+                                source_version=str(prev), target_version="next", policy=policy)
+        except Exception:
+            log.exception("patch from version %d failed (the version is published without it)", prev)
+            return None
+        self.metrics.patch_bytes.set(stats["patch_bytes"])
+        self.metrics.patch_ratio.set(stats["ratio"])
+        return out
+
+    def _keep_task_probe(self, expert_id: str, expert_dir: Path) -> None:
+        from .probes import discover_task_probe
+
+        try:
+            spec = discover_task_probe(expert_dir)
+        except MergestreamError as exc:
+            log.warning("expert %s ships a malformed probe: %s", expert_id, exc)
+            return
+        if spec is None:
+            return
+        dest = self.cfg.state_dir / "tasks" / expert_id
+        if dest.exists():
+            shutil.rmtree(dest)
+        shutil.copytree(expert_dir / "mergestream_probe", dest / "mergestream_probe")
+
+    def _track(self, kind, expert_id, outcome, reason, params, probes, timings, t0, version, patch_path) -> None:
+        artifacts = []
+        if version is not None:
+            artifacts.append(str(self.store.path(version) / "fold.json"))
+            if patch_path is not None:
+                artifacts.append(str(self.store.path(version) / patch_path.name))
+        payload = {"kind": kind, "expert_id": expert_id, "decision": outcome, "started": t0,
+                   "run_name": f"{kind}-{expert_id}", "params": {"policy": self.cfg.policy.name, **params},
+                   "metrics": {**probes, **timings}, "tags": {"mergestream.reason": reason or ""},
+                   "artifacts": artifacts}
+        if version is not None:
+            payload.update(register_version=version, version_path=str(self.store.path(version)))
+        self.tracker.submit("fold", payload)
+        if version is not None:
+            self.tracker.submit("alias", {})
+
+    def _refresh_gauges(self) -> None:
+        self.metrics.current_version.set(self.store.current() or 0)
+        if self.ledger is not None:
+            self.metrics.queue_depth.set(self.ledger.queue_depth())
+
+    # -- operator commands --------------------------------------------------------------------------------
+    def rollback(self, version: int) -> str:
+        """Point ``current`` at an earlier published version; experts folded after it become unmerged."""
+        if version not in self.store.numbers():
+            raise MergestreamError(f"version {version} does not exist (kept: {self.store.numbers()})")
+        before = self.store.current()
+        self.store.point_current(version)
+        keep = set(self.store.fold_json(version).get("experts", []))
+        for row in self.ledger.experts():
+            if row.status == "accepted" and row.expert_id not in keep:
+                self.ledger.set_status(row.expert_id, "unmerged", f"rolled back to version {version}")
+        self.ledger.record_fold("rollback", None, self.cfg.policy.name, {"from": before, "to": version}, time.time(),
+                                0.0, {}, {}, "accepted", f"operator rollback {before} -> {version}", version)
+        self.metrics.rollbacks.inc()
+        probes = self.store.fold_json(version).get("probes", {})
+        for k, v in probes.items():
+            self.metrics.probe_value.labels(probe=k).set(v)
+        self.tracker.submit("alias", {})
+        self._refresh_gauges()
+        return f"current: version {before} -> {version}"
+
+    def unmerge(self, expert_id: str) -> str:
+        """Publish a new version without ``expert_id`` (through the same probes and gate)."""
+        row = self.ledger.expert(expert_id)
+        cur = self.store.current_path()
+        if row is None or row.status != "accepted" or cur is None:
+            raise MergestreamError(f"expert {expert_id!r} is not part of the current backbone")
+        t0 = time.time()
+        staging = self.store.new_staging()
+        self.store.carry_state(staging / "state")
+        try:
+            engine.unmerge(staging / "state", expert_id, self.cfg.policy.unmerge_mode, out=staging / "model",
+                           backbone=cur / "model", base=self.cfg.base, device=self.cfg.device,
+                           threads=self.cfg.fold_threads, max_shard_bytes=self.cfg.max_shard_bytes)
+        except MergestreamError:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        outcome = self._probe_gate_publish(None, staging, t0, {}, {"mode": self.cfg.policy.unmerge_mode},
+                                           kind="unmerge", unmerged=expert_id)
+        if outcome != "accepted":
+            raise MergestreamError(f"unmerge of {expert_id} was {outcome}: see `mergestream history`")
+        self.ledger.set_status(expert_id, "unmerged", f"unmerged ({self.cfg.policy.unmerge_mode})")
+        self.metrics.unmerges.inc()
+        return f"{expert_id} unmerged: current is version {self.store.current()}"
+
+    def retry(self, expert_id: str) -> str:
+        """Put a rejected or failed expert back in the queue."""
+        row = self.ledger.expert(expert_id)
+        if row is None:
+            raise MergestreamError(f"unknown expert {expert_id!r}")
+        if row.status not in ("rejected", "failed", "unmerged"):
+            raise MergestreamError(f"expert {expert_id} is {row.status}; only rejected, failed or unmerged ones retry")
+        self.ledger.set_status(expert_id, "pending", None)
+        self.wake.set()
+        return f"{expert_id} queued again"

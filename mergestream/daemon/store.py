@@ -1,0 +1,173 @@
+"""The version store: immutable ``versions/NNNNNN/``, an atomic ``current`` pointer, staging, retention.
+
+Layout under the state folder::
+
+    versions/000001/model/        the backbone (sharded safetensors + the base's config/tokenizer)
+    versions/000001/state/        the policy state after this version (mergestream.state layout)
+    versions/000001/fold.json     what produced it: expert, policy, parameters, probes, decision
+    current -> versions/000001    symlink, switched with rename(2) + fsync of the folder
+    staging/<name>/               candidates being built; removed at start-up (stale after a crash)
+    daemon.lock                   one daemon per state folder (filelock, exclusive)
+
+Policy state is carried from version to version as hard links (state files are immutable once
+written; the manifest is replaced, never edited), so a fold copies no tensor data.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+from filelock import FileLock, Timeout
+
+from ..checkpoints import fsync_dir
+from ..errors import MergestreamError
+
+log = logging.getLogger(__name__)
+
+
+class LockedError(MergestreamError):
+    """Another daemon holds this state folder."""
+
+
+class Store:
+    """Versions, ``current`` and staging inside ``state_dir``."""
+
+    def __init__(self, state_dir: str | os.PathLike):
+        self.root = Path(state_dir)
+        self.versions_dir = self.root / "versions"
+        self.staging_dir = self.root / "staging"
+        self.current_link = self.root / "current"
+        self._lock: FileLock | None = None
+
+    # -- locking ----------------------------------------------------------------------------------
+    def lock(self) -> None:
+        """Take the exclusive daemon lock.
+
+        Raises:
+            LockedError: another process holds it (message names the lock file and its holder).
+        """
+        self.root.mkdir(parents=True, exist_ok=True)
+        path = self.root / "daemon.lock"
+        lock = FileLock(str(path), timeout=0)
+        try:
+            lock.acquire()
+        except Timeout:
+            holder = (self.root / "daemon.pid").read_text().strip() if (self.root / "daemon.pid").exists() else "?"
+            raise LockedError(f"another mergestream daemon (pid {holder}) holds {path}; "
+                              "only one daemon may run per state folder") from None
+        (self.root / "daemon.pid").write_text(str(os.getpid()))
+        self._lock = lock
+
+    def unlock(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def is_locked(self) -> bool:
+        """True when some process (maybe this one) holds the daemon lock."""
+        if self._lock is not None:
+            return True
+        probe = FileLock(str(self.root / "daemon.lock"), timeout=0)
+        try:
+            probe.acquire()
+        except Timeout:
+            return True
+        probe.release()
+        return False
+
+    # -- versions -----------------------------------------------------------------------------------
+    def numbers(self) -> list[int]:
+        if not self.versions_dir.exists():
+            return []
+        return sorted(int(p.name) for p in self.versions_dir.iterdir() if p.name.isdigit())
+
+    def path(self, number: int) -> Path:
+        return self.versions_dir / f"{number:06d}"
+
+    def current(self) -> int | None:
+        """The current version number, or None before the first publish."""
+        if not self.current_link.is_symlink():
+            return None
+        return int(Path(os.readlink(self.current_link)).name)
+
+    def current_path(self) -> Path | None:
+        n = self.current()
+        return None if n is None else self.path(n)
+
+    def fold_json(self, number: int) -> dict[str, Any]:
+        p = self.path(number) / "fold.json"
+        return json.loads(p.read_text()) if p.exists() else {}
+
+    def new_staging(self) -> Path:
+        self.staging_dir.mkdir(parents=True, exist_ok=True)
+        p = self.staging_dir / uuid.uuid4().hex[:12]
+        p.mkdir()
+        return p
+
+    def clean_staging(self) -> int:
+        """Remove stale staging folders (after a crash); returns how many."""
+        if not self.staging_dir.exists():
+            return 0
+        n = 0
+        for p in self.staging_dir.iterdir():
+            shutil.rmtree(p, ignore_errors=True)
+            n += 1
+        return n
+
+    def carry_state(self, dest: Path) -> None:
+        """Hard-link the current version's policy state into ``dest`` (an empty folder if none)."""
+        cur = self.current_path()
+        dest.mkdir(parents=True, exist_ok=True)
+        if cur is None or not (cur / "state").exists():
+            return
+        for src in (cur / "state").rglob("*"):
+            target = dest / src.relative_to(cur / "state")
+            if src.is_dir():
+                target.mkdir(parents=True, exist_ok=True)
+            else:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.link(src, target)
+
+    def publish(self, staging: Path, fold: dict[str, Any]) -> int:
+        """Move a complete candidate into ``versions/`` (next number) and point ``current`` at it.
+
+        Returns:
+            The new version number.
+        """
+        number = (self.numbers() or [0])[-1] + 1
+        fold = dict(fold, version=number)
+        with open(staging / "fold.json", "w") as fh:
+            json.dump(fold, fh, indent=2, default=str)
+            fh.flush()
+            os.fsync(fh.fileno())
+        fsync_dir(staging)
+        self.versions_dir.mkdir(parents=True, exist_ok=True)
+        os.rename(staging, self.path(number))
+        fsync_dir(self.versions_dir)
+        self.point_current(number)
+        return number
+
+    def point_current(self, number: int) -> None:
+        """Switch ``current`` atomically to version ``number`` (symlink + rename + fsync)."""
+        if not self.path(number).exists():
+            raise MergestreamError(f"version {number} does not exist in {self.versions_dir}")
+        tmp = self.root / f".current-{uuid.uuid4().hex[:8]}"
+        os.symlink(os.path.join("versions", f"{number:06d}"), tmp)
+        os.replace(tmp, self.current_link)
+        fsync_dir(self.root)
+
+    def retain(self, keep: int, protect: set[int] | None = None) -> list[int]:
+        """Delete all but the newest ``keep`` versions; ``current`` and ``protect`` are never deleted."""
+        nums = self.numbers()
+        cur = self.current()
+        protect = set(protect or ()) | ({cur} if cur is not None else set())
+        doomed = [n for n in nums[:-keep] if n not in protect] if keep > 0 else []
+        for n in doomed:
+            shutil.rmtree(self.path(n), ignore_errors=True)
+        return doomed

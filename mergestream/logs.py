@@ -1,0 +1,30 @@
+"""Structured logging: one JSON object per line (or plain text) on stderr."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+
+class JsonFormatter(logging.Formatter):
+    """``{"ts": ..., "level": ..., "logger": ..., "msg": ...}`` plus ``exc`` when there is one."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        doc = {"ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+               "level": record.levelname.lower(), "logger": record.name, "msg": record.getMessage()}
+        if record.exc_info:
+            doc["exc"] = self.formatException(record.exc_info)
+        return json.dumps(doc, ensure_ascii=False)
+
+
+def setup_logging(fmt: str = "text", level: int = logging.INFO) -> None:
+    """Configure the root logger once (json or text) on stderr."""
+    handler = logging.StreamHandler()
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
