@@ -315,6 +315,44 @@ def inspect_cmd(paths, base, as_json) -> None:
             click.echo(f"  {i:<{width}}" + "".join(f"{c:>10.4f}" for c in row))
 
 
+@cli.command("patch")
+@click.option("--from", "from_version", required=True, type=int, help="source version A")
+@click.option("--to", "to_version", required=True, type=int, help="target version B")
+@click.option("--config", "config_path", required=True, type=click.Path(), help="daemon config (YAML)")
+@click.option("--out", required=True, type=click.Path(), help="patch file to write (must not exist)")
+@click.option("--json", "as_json", is_flag=True, help="print the statistics as JSON")
+@_fail_cleanly
+def patch_cmd(from_version, to_version, config_path, out, as_json) -> None:
+    """Build a patch from published version A to version B (any two kept versions)."""
+    from .config import load_config
+    from .daemon.store import Store
+    from .patch_build import build_patch
+
+    store = Store(load_config(config_path).state_dir)
+    for v in (from_version, to_version):
+        if not (store.path(v) / "model").exists():
+            raise MergestreamError(f"version {v} is not in {store.versions_dir} (kept: {store.numbers()})")
+    stats = build_patch(store.path(from_version) / "model", store.path(to_version) / "model", out,
+                        source_version=str(from_version), target_version=str(to_version),
+                        policy=store.fold_json(to_version).get("policy", ""))
+    if as_json:
+        click.echo(json.dumps(stats, indent=2, default=str))
+    else:
+        click.echo(f"{out}: {stats['patch_bytes']:,} bytes, {100 * stats['ratio']:.1f}% of the model "
+                   f"({stats['tensors_changed']} tensors changed: {stats['tensors_sparse']} sparse, "
+                   f"{stats['tensors_dense']} dense)")
+
+
+def _register_patch_commands() -> None:
+    from .cli_patch import apply_patch_cmd, make_patch_cmd
+
+    cli.add_command(apply_patch_cmd)
+    cli.add_command(make_patch_cmd)
+
+
+_register_patch_commands()
+
+
 def _report(rep, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(rep.to_json(), indent=2))

@@ -418,7 +418,8 @@ class Service:
         out = staging / f"patch-from-{prev:06d}.safetensors"
         try:
             stats = build_patch(self.store.path(prev) / "model", staging / "model", out,
-                                source_version=str(prev), target_version="next", policy=policy)
+                                source_version=str(prev), target_version=str(self.store.next_number()),
+                                policy=policy)
         except Exception:
             log.exception("patch from version %d failed (the version is published without it)", prev)
             return None

@@ -87,6 +87,10 @@ class Store:
             return []
         return sorted(int(p.name) for p in self.versions_dir.iterdir() if p.name.isdigit())
 
+    def next_number(self) -> int:
+        """The number the next published version will get."""
+        return (self.numbers() or [0])[-1] + 1
+
     def path(self, number: int) -> Path:
         return self.versions_dir / f"{number:06d}"
 
@@ -140,7 +144,7 @@ class Store:
         Returns:
             The new version number.
         """
-        number = (self.numbers() or [0])[-1] + 1
+        number = self.next_number()
         fold = dict(fold, version=number)
         with open(staging / "fold.json", "w") as fh:
             json.dump(fold, fh, indent=2, default=str)

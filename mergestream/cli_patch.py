@@ -1,0 +1,101 @@
+"""Click commands for incremental updates: ``apply-patch`` and ``make-patch``.
+
+Both are plain :func:`click.command` objects, registered in the main ``mergestream`` group by
+``cli.py``; they import their implementation lazily, so ``apply-patch`` never imports torch
+(it needs only :mod:`mergestream.patches`: numpy and the standard library). Run standalone with
+``python -m mergestream.cli_patch apply-patch ...``.
+
+Errors the user can cause (a refused patch, an unreadable model, an existing output) exit with
+status 2 and one line ``error: ...`` on stderr; nothing is written.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+import click
+
+EXIT_BAD_INPUT = 2
+
+
+def _fail(exc: Exception) -> NoReturn:
+    msg = " ".join(str(exc).split())
+    click.echo(f"error: {msg}", err=True)
+    sys.exit(EXIT_BAD_INPUT)
+
+
+@click.command("apply-patch")
+@click.argument("model_dir", type=click.Path())
+@click.argument("patch", type=click.Path())
+@click.option("--out", required=True, type=click.Path(), help="output model folder (must not exist)")
+@click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
+def apply_patch_cmd(model_dir: str, patch: str, out: str, as_json: bool) -> None:
+    """Apply PATCH to the model in MODEL_DIR and write the target version to --out.
+
+    The patch's integrity and the model's weights hash are verified before anything is written,
+    and the result's hash after; the output is staged and renamed into place.
+    """
+    from .patches import PatchError, apply_patch
+
+    try:
+        rep = apply_patch(model_dir, patch, out)
+    except (PatchError, OSError) as exc:
+        _fail(exc)
+    if as_json:
+        click.echo(json.dumps(rep, indent=2))
+    else:
+        click.echo(f"{rep['source_version'] or '?'} -> {rep['target_version'] or '?'}: {rep['out']} "
+                   f"({rep['tensors']} tensors: {rep['tensors_copied']} unchanged, {rep['tensors_sparse']} sparse, "
+                   f"{rep['tensors_dense']} dense, {rep['tensors_removed']} removed; sha256 {rep['target_sha256']})")
+
+
+@click.command("make-patch")
+@click.option("--from-dir", "from_dir", required=True, type=click.Path(), help="source model (version A)")
+@click.option("--to-dir", "to_dir", required=True, type=click.Path(), help="target model (version B)")
+@click.option("--out", required=True, type=click.Path(), help="patch file to write (must not exist)")
+@click.option("--source-version", help="recorded source version (default: the source folder's name)")
+@click.option("--target-version", help="recorded target version (default: the target folder's name)")
+@click.option("--policy", default="", help="recorded policy (default: the target's mergestream.policy metadata)")
+@click.option("--json", "as_json", is_flag=True, help="print the statistics as JSON")
+def make_patch_cmd(from_dir: str, to_dir: str, out: str, source_version: str | None, target_version: str | None,
+                   policy: str, as_json: bool) -> None:
+    """Build the exact patch "--from-dir -> --to-dir" between two model folders."""
+    from .errors import MergestreamError
+    from .patch_build import build_patch
+
+    try:
+        stats = build_patch(from_dir, to_dir, out,
+                            source_version=source_version if source_version is not None else Path(from_dir).name,
+                            target_version=target_version if target_version is not None else Path(to_dir).name,
+                            policy=policy)
+    except (MergestreamError, OSError) as exc:
+        _fail(exc)
+    if as_json:
+        click.echo(json.dumps(stats, indent=2))
+    else:
+        click.echo(f"{stats['path']}: {stats['patch_bytes']:,} bytes, {stats['ratio']:.2%} of the model "
+                   f"({stats['model_bytes']:,} bytes); "
+                   f"{stats['tensors_changed']} of {stats['tensors']} tensors changed "
+                   f"({stats['tensors_sparse']} sparse, {stats['tensors_dense']} dense), "
+                   f"{stats['tensors_removed']} removed")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def patch_cli() -> None:
+    """Incremental updates: build and apply exact weight patches."""
+
+
+patch_cli.add_command(apply_patch_cmd)
+patch_cli.add_command(make_patch_cmd)
+
+
+def main() -> None:
+    """Entry point of ``python -m mergestream.cli_patch``."""
+    patch_cli(prog_name="mergestream")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,729 @@
+"""Apply weight patches ("version N−1 -> version N") exactly; standalone (stdlib + numpy only).
+
+This module is the device side of incremental updates. It imports nothing from torch or from the
+rest of mergestream, so it can be copied alone onto a small device next to ``numpy``. It parses
+safetensors headers itself and moves raw bytes, which makes every dtype work the same way
+(``BF16`` has no numpy dtype, ``F8_*`` neither): a patch is about exact bytes, so tensors are
+compared and patched as unsigned integers of the same itemsize. Equality is therefore bit-exact
+(``-0.0`` differs from ``0.0``; two NaNs with different payloads differ).
+
+Weights hash (:func:`weights_sha256`)
+    sha256 of the canonical content of a model, independent of sharding, tensor order in the
+    files, header formatting and ``__metadata__``::
+
+        "mergestream-weights-sha256/1\\0" || u64(count)
+        for each tensor, in ascending order of the UTF-8 bytes of its name:
+            u64(len(name)) || name (UTF-8) || u64(len(dtype)) || dtype (ASCII safetensors code:
+            "F32", "BF16", ...) || u64(ndim) || u64(dim)... || u64(nbytes) || data (as stored:
+            little-endian, C order)
+
+    ``u64`` is an unsigned 64-bit little-endian integer. Two models hash equal iff they hold the
+    same tensor names with the same dtypes, shapes and bytes. (This is *not*
+    ``Checkpoint.sha256()``, which hashes the files and so depends on headers and sharding.)
+
+Patch file (a safetensors file, format ``mergestream-patch/1``)
+    Tensors, for each target tensor that differs from the source (omitted when bit-identical):
+
+    * ``dense/<name>``: the new tensor, in the target's dtype and shape (changed dtype or shape,
+      added tensor, or a change where sparse is not smaller);
+    * ``sparse.indices/<name>`` (``I32`` when numel ≤ 2³¹, else ``I64``; 1-D, ascending flat
+      C-order indices) and ``sparse.values/<name>`` (target dtype, 1-D): used when
+      ``nnz·(index bytes + itemsize) < nbytes``.
+
+    ``__metadata__`` (strings): ``patch_format``, ``source_version``, ``target_version``,
+    ``source_sha256``, ``target_sha256`` (weights hashes above), ``policy``, ``payload_bytes``
+    (bytes of tensor data in the patch), ``model_bytes`` (bytes of the target's weight files),
+    ``removed`` (JSON list of source tensors absent from the target), ``target_layout`` (JSON:
+    ``{"files": [{"name": file name, "header": the target file's verbatim safetensors header}],
+    "index": {"name": ..., "text": verbatim index JSON} or null}``), ``stats`` (JSON counts), and
+    ``payload_sha256``: sha256 over the data region (every byte after the header) followed by
+    the canonical JSON (``sort_keys``, compact separators, ASCII) of the parsed header without
+    the ``payload_sha256`` key. Any flipped byte in the data or in the header's content, and any
+    truncation, is detected before anything is written.
+
+Output of :func:`apply_patch`
+    The target's weight files are rebuilt with their verbatim headers (same file names, same
+    shards, same ``__metadata__``) and the target's index file if it had one, so the output is
+    byte-for-byte the target version's weight files, not only the same weights. Non-weight files
+    (``config.json``, tokenizer files, ...) are copied from the source folder. The output is
+    staged in a sibling temporary folder and renamed into place; on any failure it is removed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+PATCH_FORMAT = "mergestream-patch/1"
+WEIGHTS_HASH_TAG = b"mergestream-weights-sha256/1\x00"
+INDEX_SUFFIX = ".safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+#: Files never copied as "non-weight files" of a model folder.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx", ".gguf")
+
+DENSE = "dense/"
+SPARSE_INDICES = "sparse.indices/"
+SPARSE_VALUES = "sparse.values/"
+
+#: Bytes per element of every safetensors dtype this module handles (sub-byte dtypes are refused).
+DTYPE_SIZES: dict[str, int] = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
+}
+_RAW = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+_INDEX_DTYPES = {"I32": np.dtype("<i4"), "I64": np.dtype("<i8")}
+_MAX_HEADER = 100 * 1024 * 1024  # the safetensors format's own limit
+_CHUNK = 16 * 1024 * 1024
+
+
+class PatchError(Exception):
+    """A patch cannot be applied: corrupted, truncated, not a patch, made for another source
+    model, or the result does not match the recorded target. Nothing is written when raised."""
+
+
+def raw_dtype(dtype: str) -> np.dtype:
+    """Unsigned little-endian integer numpy dtype of the same itemsize as safetensors ``dtype``.
+
+    Raises:
+        PatchError: unsupported dtype.
+    """
+    try:
+        return _RAW[DTYPE_SIZES[dtype]]
+    except KeyError:
+        raise PatchError(f"unsupported safetensors dtype {dtype!r}") from None
+
+
+def u64le(n: int) -> bytes:
+    """``n`` as an unsigned 64-bit little-endian integer (8 bytes)."""
+    return struct.pack("<Q", n)
+
+
+# ------------------------------------------------------------------------------------------
+# Reading safetensors files without a framework
+# ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a safetensors file: where its raw bytes live.
+
+    Attributes:
+        name: tensor name. dtype: safetensors dtype code (``"F32"``, ``"BF16"``, ...).
+        shape: dimensions. file: the file. offset: absolute byte offset of the data in ``file``.
+        nbytes: size of the data in bytes (numel · itemsize).
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: Path
+    offset: int
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        """Number of elements (1 for a scalar)."""
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def frame(self) -> bytes:
+        """This tensor's prefix in the weights hash (name, dtype, shape, nbytes; see module doc)."""
+        name = self.name.encode("utf-8")
+        dt = self.dtype.encode("ascii")
+        out = [u64le(len(name)), name, u64le(len(dt)), dt, u64le(len(self.shape))]
+        out += [u64le(d) for d in self.shape]
+        out.append(u64le(self.nbytes))
+        return b"".join(out)
+
+
+@dataclass(frozen=True)
+class Header:
+    """A parsed safetensors header.
+
+    Attributes:
+        text: the header JSON exactly as stored (including trailing padding), without the 8-byte
+            length prefix. obj: the parsed JSON object. metadata: ``__metadata__`` (strings).
+        entries: tensors in data order. data_start: absolute offset of the data region.
+        data_len: bytes of the data region.
+    """
+
+    text: str
+    obj: dict[str, Any]
+    metadata: dict[str, str]
+    entries: list[TensorEntry]
+    data_start: int
+    data_len: int
+
+
+def parse_header_text(text: str, file: Path, where: str) -> Header:
+    """Parse and validate a safetensors header given as text (no length prefix).
+
+    Checks: a JSON object; string metadata; every tensor has a supported dtype, a shape of
+    non-negative integers and ``data_offsets`` whose span equals numel·itemsize; the tensors tile
+    the data region from 0 with no gap or overlap.
+
+    Raises:
+        PatchError: naming ``where`` and what is wrong.
+    """
+    try:
+        obj = json.loads(text)
+    except ValueError as exc:
+        raise PatchError(f"{where}: unreadable safetensors header ({exc})") from None
+    if not isinstance(obj, dict):
+        raise PatchError(f"{where}: safetensors header is not a JSON object")
+    meta = obj.get("__metadata__") or {}
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise PatchError(f"{where}: __metadata__ must map strings to strings")
+    data_start = 8 + len(text.encode("utf-8"))
+    entries: list[TensorEntry] = []
+    for name, info in obj.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (start, end) = info["dtype"], info["shape"], info["data_offsets"]
+        except (TypeError, KeyError, ValueError):
+            raise PatchError(f"{where}: tensor {name!r} has a malformed header entry") from None
+        if dtype not in DTYPE_SIZES:
+            raise PatchError(f"{where}: tensor {name!r} has unsupported dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise PatchError(f"{where}: tensor {name!r} has a malformed shape {shape!r}")
+        if not (isinstance(start, int) and isinstance(end, int)):
+            raise PatchError(f"{where}: tensor {name!r} has malformed data_offsets")
+        entry = TensorEntry(name, dtype, tuple(shape), file, data_start + start, end - start)
+        if start < 0 or end - start != entry.numel * DTYPE_SIZES[dtype]:
+            raise PatchError(f"{where}: tensor {name!r} ({dtype} {list(shape)}) has data_offsets "
+                             f"[{start}, {end}] that do not match its size")
+        entries.append(entry)
+    entries.sort(key=lambda e: e.offset)
+    pos = data_start
+    for e in entries:
+        if e.offset != pos:
+            raise PatchError(f"{where}: tensor data is not contiguous at tensor {e.name!r}")
+        pos += e.nbytes
+    return Header(text, obj, {str(k): str(v) for k, v in meta.items()}, entries, data_start, pos - data_start)
+
+
+def read_header(path: str | os.PathLike) -> Header:
+    """Read and validate the header of a safetensors file, and check the file is not truncated.
+
+    Raises:
+        PatchError: unreadable, malformed, truncated, or with trailing bytes.
+    """
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+            if n < 2 or n > _MAX_HEADER or 8 + n > size:
+                raise PatchError(f"{path}: not a safetensors file, or truncated (header length {n}, file "
+                                 f"{size} bytes)")
+            raw = fh.read(n)
+    except OSError as exc:
+        raise PatchError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise PatchError(f"{path}: safetensors header is not UTF-8") from None
+    hdr = parse_header_text(text, path, str(path))
+    if hdr.data_start + hdr.data_len != size:
+        what = "truncated" if hdr.data_start + hdr.data_len > size else "followed by trailing bytes"
+        raise PatchError(f"{path}: file is {what}: header declares {hdr.data_len} data bytes, "
+                         f"the file holds {size - hdr.data_start}")
+    return hdr
+
+
+def _read_into(fh, offset: int, buf: memoryview) -> None:
+    fh.seek(offset)
+    got = 0
+    while got < len(buf):
+        n = fh.readinto(buf[got:])
+        if not n:
+            raise PatchError(f"{fh.name}: unexpected end of file at byte {offset + got}")
+        got += n
+
+
+class Weights:
+    """The tensors of a model folder (or a single ``.safetensors`` file), read as raw bytes.
+
+    Folder resolution: ``*.safetensors.index.json`` with its shards, else ``model.safetensors``,
+    else the only ``*.safetensors`` file. Only headers are read at construction.
+
+    Attributes:
+        path: what was given. files: weight files, in name order. index: the index file or None.
+        entries: ``{name: TensorEntry}`` in file order. headers: ``{file: Header}``.
+
+    Raises:
+        PatchError: nothing loadable, a missing shard, a malformed/truncated file, a tensor in two
+        shards, or an index that disagrees with the shards.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        p = Path(path)
+        self.path = p
+        self.index: Path | None = None
+        weight_map: dict[str, str] | None = None
+        if p.is_file():
+            files = [p]
+        elif p.is_dir():
+            indexes = sorted(p.glob("*" + INDEX_SUFFIX))
+            if len(indexes) > 1:
+                raise PatchError(f"{p}: several index files ({', '.join(i.name for i in indexes)})")
+            if indexes:
+                self.index = indexes[0]
+                try:
+                    weight_map = json.loads(self.index.read_text())["weight_map"]
+                    shards = sorted(set(weight_map.values()))
+                except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                    raise PatchError(f"{self.index}: unreadable index ({exc})") from None
+                missing = [s for s in shards if not (p / s).is_file()]
+                if missing:
+                    raise PatchError(f"{p}: shard(s) named in {self.index.name} are absent: {', '.join(missing)}")
+                files = [p / s for s in shards]
+            elif (p / SINGLE_NAME).is_file():
+                files = [p / SINGLE_NAME]
+            else:
+                singles = sorted(p.glob("*.safetensors"))
+                if len(singles) != 1:
+                    raise PatchError(f"{p}: no {SINGLE_NAME}, no *{INDEX_SUFFIX} and not exactly one *.safetensors")
+                files = singles
+        else:
+            raise PatchError(f"{p}: no such file or folder")
+        self.files: list[Path] = sorted(files, key=lambda f: f.name)
+        self.headers: dict[Path, Header] = {}
+        self.entries: dict[str, TensorEntry] = {}
+        for f in self.files:
+            hdr = read_header(f)
+            self.headers[f] = hdr
+            for e in hdr.entries:
+                if e.name in self.entries:
+                    raise PatchError(f"{p}: tensor {e.name!r} is in both {self.entries[e.name].file.name} and {f.name}")
+                self.entries[e.name] = e
+        if weight_map is not None:
+            for name, shard in weight_map.items():
+                e = self.entries.get(name)
+                if e is None or e.file.name != shard:
+                    raise PatchError(f"{self.index}: names tensor {name!r} in {shard}, but that shard does not hold it")
+        self._handles: dict[Path, Any] = {}
+
+    def names(self) -> list[str]:
+        """Tensor names in canonical (sorted UTF-8) order."""
+        return sorted(self.entries, key=lambda n: n.encode("utf-8"))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data."""
+        return sum(e.nbytes for e in self.entries.values())
+
+    @property
+    def file_bytes(self) -> int:
+        """Bytes of the weight files (headers and data; the index excluded)."""
+        return sum(f.stat().st_size for f in self.files)
+
+    def _fh(self, f: Path):
+        h = self._handles.get(f)
+        if h is None:
+            h = self._handles[f] = open(f, "rb")
+        return h
+
+    def read(self, name: str) -> np.ndarray:
+        """One tensor's raw bytes in fresh, writable memory: 1-D ``uint8`` of length nbytes."""
+        e = self.entries[name]
+        buf = np.empty(e.nbytes, np.uint8)
+        _read_into(self._fh(e.file), e.offset, memoryview(buf))
+        return buf
+
+    def read_raw(self, name: str) -> np.ndarray:
+        """One tensor as a flat array of unsigned integers of its itemsize (bit-exact view)."""
+        return self.read(name).view(raw_dtype(self.entries[name].dtype))
+
+    def chunks(self, name: str, size: int = _CHUNK) -> Iterator[memoryview]:
+        """One tensor's raw bytes in chunks of at most ``size`` bytes (a reused buffer)."""
+        e = self.entries[name]
+        buf = memoryview(bytearray(min(size, e.nbytes)))
+        fh = self._fh(e.file)
+        for off in range(0, e.nbytes, size):
+            n = min(size, e.nbytes - off)
+            _read_into(fh, e.offset + off, buf[:n])
+            yield buf[:n]
+
+    def sha256(self) -> str:
+        """The weights hash of this model (see the module docstring); streams in chunks."""
+        h = hashlib.sha256(WEIGHTS_HASH_TAG + u64le(len(self.entries)))
+        for name in self.names():
+            h.update(self.entries[name].frame())
+            for chunk in self.chunks(name):
+                h.update(chunk)
+        return h.hexdigest()
+
+    def aux_files(self) -> list[Path]:
+        """Non-weight files of the folder (config, tokenizer, ...): not hidden, not weights, not an index."""
+        if not self.path.is_dir():
+            return []
+        return [f for f in sorted(self.path.iterdir())
+                if f.is_file() and not f.name.startswith(".") and not f.name.endswith(WEIGHT_SUFFIXES)
+                and not f.name.endswith(".index.json")]
+
+    def close(self) -> None:
+        """Close the open file handles."""
+        for h in self._handles.values():
+            h.close()
+        self._handles.clear()
+
+    def __enter__(self) -> Weights:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def weights_sha256(model_dir: str | os.PathLike) -> str:
+    """The weights hash of a model folder or ``.safetensors`` file (64 hex characters).
+
+    Independent of sharding, header formatting, tensor order in the files and metadata; reads
+    one 16 MiB chunk at a time. See the module docstring for the exact definition.
+
+    Raises:
+        PatchError: the model cannot be read.
+    """
+    with Weights(model_dir) as w:
+        return w.sha256()
+
+
+def encode_header(obj: dict[str, Any]) -> bytes:
+    """Serialize a safetensors header: 8-byte little-endian length + compact JSON padded to 8."""
+    raw = json.dumps(obj, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    return u64le(len(raw)) + raw
+
+
+def canonical_header(obj: dict[str, Any]) -> bytes:
+    """The bytes the payload hash covers after the data: the header without ``payload_sha256``."""
+    obj = dict(obj)
+    meta = dict(obj.get("__metadata__") or {})
+    meta.pop("payload_sha256", None)
+    obj["__metadata__"] = meta
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+
+
+def _safe_name(name: Any, what: str) -> str:
+    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name \
+            or "\x00" in name or name.startswith("."):
+        raise PatchError(f"patch names an unsafe {what} file name {name!r}")
+    return name
+
+
+# ------------------------------------------------------------------------------------------
+# Patches
+# ------------------------------------------------------------------------------------------
+@dataclass
+class TargetFile:
+    """One weight file of the target model, rebuilt from its verbatim header."""
+
+    name: str
+    header: Header
+
+
+@dataclass
+class Patch:
+    """A verified patch: what it holds and what it was made for.
+
+    Attributes:
+        path: the patch file. metadata: its ``__metadata__``.
+        source_sha256 / target_sha256: weights hashes. source_version / target_version / policy:
+        strings as recorded. removed: source tensors absent from the target.
+        files: the target's weight files (verbatim headers). index: ``(name, text)`` or None.
+        target: ``{name: TensorEntry}`` of the target (``file`` is the target file's name).
+        dense: ``{name: patch TensorEntry}``. sparse: ``{name: (indices entry, values entry)}``.
+        payload_bytes: bytes of tensor data in the patch. model_bytes: bytes of the target's
+        weight files.
+    """
+
+    path: Path
+    metadata: dict[str, str]
+    source_sha256: str
+    target_sha256: str
+    source_version: str
+    target_version: str
+    policy: str
+    removed: list[str]
+    files: list[TargetFile]
+    index: tuple[str, str] | None
+    target: dict[str, TensorEntry]
+    dense: dict[str, TensorEntry]
+    sparse: dict[str, tuple[TensorEntry, TensorEntry]]
+    payload_bytes: int
+    model_bytes: int
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-friendly description (versions, hashes, counts, byte sizes)."""
+        return {"patch": str(self.path), "format": self.metadata.get("patch_format"),
+                "source_version": self.source_version, "target_version": self.target_version,
+                "source_sha256": self.source_sha256, "target_sha256": self.target_sha256,
+                "policy": self.policy, "payload_bytes": self.payload_bytes, "model_bytes": self.model_bytes,
+                "tensors_dense": len(self.dense), "tensors_sparse": len(self.sparse),
+                "tensors_removed": len(self.removed), "target_tensors": len(self.target)}
+
+
+def _meta_json(meta: dict[str, str], key: str, where: str) -> Any:
+    if key not in meta:
+        raise PatchError(f"{where}: metadata {key!r} is missing")
+    try:
+        return json.loads(meta[key])
+    except ValueError:
+        raise PatchError(f"{where}: metadata {key!r} is not valid JSON") from None
+
+
+def read_patch(patch_path: str | os.PathLike) -> Patch:
+    """Open a patch and verify its integrity (payload sha256 over data and header) and structure.
+
+    Reads the whole patch once (in chunks) to hash it; nothing is written.
+
+    Raises:
+        PatchError: not a safetensors file, truncated, not a mergestream patch or an unknown
+        format version, corrupted (payload sha256 mismatch), or inconsistent (an entry for a
+        tensor the target does not have, a dtype/shape that does not match the target, ...).
+    """
+    path = Path(patch_path)
+    where = f"patch {path}"
+    if not path.is_file():
+        raise PatchError(f"{where}: no such file")
+    hdr = read_header(path)
+    meta = hdr.metadata
+    fmt = meta.get("patch_format")
+    if fmt != PATCH_FORMAT:
+        raise PatchError(f"{where}: not a mergestream patch (patch_format {fmt!r}, expected {PATCH_FORMAT!r})")
+    for key in ("source_sha256", "target_sha256", "payload_sha256", "payload_bytes"):
+        if key not in meta:
+            raise PatchError(f"{where}: metadata {key!r} is missing")
+    if meta["payload_bytes"] != str(hdr.data_len):
+        raise PatchError(f"{where}: truncated or padded: {hdr.data_len} payload bytes, metadata records "
+                         f"{meta['payload_bytes']}")
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        fh.seek(hdr.data_start)
+        left = hdr.data_len
+        while left:
+            chunk = fh.read(min(_CHUNK, left))
+            if not chunk:
+                raise PatchError(f"{where}: truncated while hashing")
+            h.update(chunk)
+            left -= len(chunk)
+    h.update(canonical_header(hdr.obj))
+    if h.hexdigest() != meta["payload_sha256"]:
+        raise PatchError(f"{where}: corrupted: payload sha256 is {h.hexdigest()}, the patch records "
+                         f"{meta['payload_sha256']}")
+
+    layout = _meta_json(meta, "target_layout", where)
+    removed = _meta_json(meta, "removed", where)
+    if not isinstance(layout, dict) or not isinstance(layout.get("files"), list) or not layout["files"] \
+            or not isinstance(removed, list) or not all(isinstance(r, str) for r in removed):
+        raise PatchError(f"{where}: malformed target_layout or removed list")
+    files: list[TargetFile] = []
+    target: dict[str, TensorEntry] = {}
+    for item in layout["files"]:
+        if not isinstance(item, dict) or not isinstance(item.get("header"), str):
+            raise PatchError(f"{where}: malformed target_layout entry")
+        name = _safe_name(item.get("name"), "target weight")
+        if not name.endswith(".safetensors") or any(f.name == name for f in files):
+            raise PatchError(f"{where}: bad or duplicate target weight file name {name!r}")
+        th = parse_header_text(item["header"], Path(name), f"{where}: target file {name}")
+        files.append(TargetFile(name, th))
+        for e in th.entries:
+            if e.name in target:
+                raise PatchError(f"{where}: target tensor {e.name!r} is in two files")
+            target[e.name] = e
+    index = None
+    if layout.get("index") is not None:
+        idx = layout["index"]
+        if not isinstance(idx, dict) or not isinstance(idx.get("text"), str):
+            raise PatchError(f"{where}: malformed target index entry")
+        iname = _safe_name(idx.get("name"), "index")
+        if not iname.endswith(".index.json"):
+            raise PatchError(f"{where}: bad target index file name {iname!r}")
+        index = (iname, idx["text"])
+    removed_set = set(removed)
+    if removed_set & set(target):
+        both = sorted(removed_set & set(target))[:3]
+        raise PatchError(f"{where}: tensor(s) listed as removed are in the target: {both}")
+
+    dense: dict[str, TensorEntry] = {}
+    indices: dict[str, TensorEntry] = {}
+    values: dict[str, TensorEntry] = {}
+    for e in hdr.entries:
+        for prefix, bucket in ((DENSE, dense), (SPARSE_INDICES, indices), (SPARSE_VALUES, values)):
+            if e.name.startswith(prefix):
+                bucket[e.name[len(prefix):]] = e
+                break
+        else:
+            raise PatchError(f"{where}: unexpected tensor {e.name!r}")
+    for name, e in dense.items():
+        t = target.get(name)
+        if t is None or (e.dtype, e.shape) != (t.dtype, t.shape):
+            raise PatchError(f"{where}: dense entry {name!r} does not match the target tensor")
+    if set(indices) != set(values):
+        raise PatchError(f"{where}: sparse indices and values do not pair up: "
+                         f"{sorted(set(indices) ^ set(values))[:3]}")
+    sparse: dict[str, tuple[TensorEntry, TensorEntry]] = {}
+    for name in indices:
+        i, v, t = indices[name], values[name], target.get(name)
+        if t is None or name in dense:
+            raise PatchError(f"{where}: sparse entry {name!r} is not a target tensor or is also dense")
+        if i.dtype not in _INDEX_DTYPES or len(i.shape) != 1 or v.shape != i.shape or v.dtype != t.dtype:
+            raise PatchError(f"{where}: sparse entry {name!r} has indices {i.dtype} {list(i.shape)} and values "
+                             f"{v.dtype} {list(v.shape)} for a {t.dtype} tensor")
+        sparse[name] = (i, v)
+    try:
+        payload_bytes, model_bytes = int(meta["payload_bytes"]), int(meta.get("model_bytes", "0"))
+    except ValueError:
+        raise PatchError(f"{where}: malformed byte counts in metadata") from None
+    return Patch(path=path, metadata=meta, source_sha256=meta["source_sha256"], target_sha256=meta["target_sha256"],
+                 source_version=meta.get("source_version", ""), target_version=meta.get("target_version", ""),
+                 policy=meta.get("policy", ""), removed=list(removed), files=files, index=index, target=target,
+                 dense=dense, sparse=sparse, payload_bytes=payload_bytes, model_bytes=model_bytes)
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _plan(patch: Patch, src: Weights) -> None:
+    """Check before writing that every target tensor can be produced from the source + patch."""
+    for name, t in patch.target.items():
+        if name in patch.dense:
+            continue
+        s = src.entries.get(name)
+        if s is None or (s.dtype, s.shape) != (t.dtype, t.shape):
+            got = "absent" if s is None else f"{s.dtype} {list(s.shape)}"
+            raise PatchError(f"tensor {name!r}: the patch needs the source's {t.dtype} {list(t.shape)}, "
+                             f"the model has {got}")
+    extra = sorted(set(src.entries) - set(patch.target) - set(patch.removed))
+    if extra:
+        raise PatchError(f"tensor {extra[0]!r} of the model is neither in the patch's target nor listed as removed")
+
+
+def _apply_sparse(buf: np.ndarray, dtype: str, patch_w: Weights, idx_e: TensorEntry, val_e: TensorEntry,
+                  name: str) -> None:
+    raw = buf.view(raw_dtype(dtype))
+    idx = patch_w.read(idx_e.name).view(_INDEX_DTYPES[idx_e.dtype])
+    if idx.size:
+        if int(idx.min()) < 0 or int(idx.max()) >= raw.size:
+            raise PatchError(f"tensor {name!r}: sparse index out of range for {raw.size} elements")
+        raw[idx] = patch_w.read(val_e.name).view(raw.dtype)
+
+
+def apply_patch(model_dir: str | os.PathLike, patch_path: str | os.PathLike,
+                out_dir: str | os.PathLike) -> dict[str, Any]:
+    """Apply a patch to a model and write the target model atomically into ``out_dir``.
+
+    Order: verify the patch (integrity and structure), hash the source weights and compare with
+    the patch's source hash, check every target tensor can be produced, then write the target's
+    weight files (verbatim headers, one tensor at a time, in canonical order, hashing the bytes
+    as they are written), its index, and the source folder's non-weight files into a sibling
+    staging folder; compare the target hash, then rename the staging folder to ``out_dir``.
+
+    Args:
+        model_dir: the source model (folder or ``.safetensors`` file), e.g. version N−1.
+        patch_path: a patch file written by :func:`mergestream.patch_build.build_patch`.
+        out_dir: the output folder; must not exist.
+
+    Returns:
+        ``{"out", "source_version", "target_version", "source_sha256", "target_sha256",
+        "tensors", "tensors_copied", "tensors_sparse", "tensors_dense", "tensors_removed",
+        "bytes_written", "files"}`` (bytes_written: tensor data bytes).
+
+    Raises:
+        PatchError: ``out_dir`` exists; the patch is corrupted, truncated or malformed; it was made
+        for another source ("patch is for source sha256 X, this model has Y"); the result does not
+        hash to the recorded target. Nothing is left in ``out_dir``'s parent in every case.
+        OSError: a write failed (disk full...); the staging folder is removed.
+    """
+    out = Path(out_dir)
+    if out.exists() or out.is_symlink():
+        raise PatchError(f"{out} already exists; choose a new output path")
+    patch = read_patch(patch_path)
+    with Weights(model_dir) as src, Weights(patch.path) as pw:
+        have = src.sha256()
+        if have != patch.source_sha256:
+            raise PatchError(
+                f"patch is for source sha256 {patch.source_sha256} (version {patch.source_version or '?'}), "
+                f"this model has {have}: apply the patch to the version it was built from")
+        _plan(patch, src)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=out.parent))
+        fds: dict[str, int] = {}
+        try:
+            for tf in patch.files:
+                fd = os.open(stage / tf.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                fds[tf.name] = fd
+                raw = tf.header.text.encode("utf-8")
+                _pwrite_all(fd, memoryview(u64le(len(raw)) + raw), 0)
+                os.ftruncate(fd, tf.header.data_start + tf.header.data_len)
+            h = hashlib.sha256(WEIGHTS_HASH_TAG + u64le(len(patch.target)))
+            counts = {"copied": 0, "sparse": 0, "dense": 0}
+            written = 0
+            for name in sorted(patch.target, key=lambda n: n.encode("utf-8")):
+                t = patch.target[name]
+                if name in patch.dense:
+                    buf = pw.read(patch.dense[name].name)
+                    counts["dense"] += 1
+                else:
+                    buf = src.read(name)
+                    if name in patch.sparse:
+                        _apply_sparse(buf, t.dtype, pw, *patch.sparse[name], name)
+                        counts["sparse"] += 1
+                    else:
+                        counts["copied"] += 1
+                h.update(t.frame())
+                data = memoryview(buf)
+                h.update(data)
+                _pwrite_all(fds[t.file.name], data, t.offset)
+                written += t.nbytes
+                del buf, data
+            for name, fd in list(fds.items()):
+                os.fsync(fd)
+                os.close(fd)
+                del fds[name]
+            got = h.hexdigest()
+            if got != patch.target_sha256:
+                raise PatchError(f"the patched model hashes to {got}, the patch records target sha256 "
+                                 f"{patch.target_sha256}: refusing to publish it")
+            if patch.index is not None:
+                (stage / patch.index[0]).write_text(patch.index[1])
+            taken = {tf.name for tf in patch.files} | ({patch.index[0]} if patch.index else set())
+            for f in src.aux_files():
+                if f.name not in taken:
+                    shutil.copy2(f, stage / f.name)
+            _fsync_dir(stage)
+            os.rename(stage, out)
+            _fsync_dir(out.parent)
+        except BaseException:
+            for fd in fds.values():
+                os.close(fd)
+            shutil.rmtree(stage, ignore_errors=True)
+            raise
+    return {"out": str(out), "source_version": patch.source_version, "target_version": patch.target_version,
+            "source_sha256": patch.source_sha256, "target_sha256": got, "tensors": len(patch.target),
+            "tensors_copied": counts["copied"], "tensors_sparse": counts["sparse"], "tensors_dense": counts["dense"],
+            "tensors_removed": len(patch.removed), "bytes_written": written,
+            "files": [tf.name for tf in patch.files]}
