@@ -93,7 +93,12 @@ class Service:
             import torch
 
             torch.set_num_threads(self.cfg.torch_threads)
-        self.tracker = Tracker(self.cfg.mlflow, self.cfg.tracking_uri(), self.ledger, self.metrics, self.store.current)
+        # the default sqlite store keeps its artifacts inside the state folder too (not in ./mlruns)
+        artifacts = None if self.cfg.mlflow.tracking_uri else (self.cfg.state_dir / "mlartifacts").resolve().as_uri()
+        self.tracker = Tracker(self.cfg.mlflow, self.cfg.tracking_uri(), self.ledger, self.metrics, self.store.current,
+                               artifact_location=artifacts)
+        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+        logging.getLogger("apscheduler").setLevel(logging.WARNING)
         self._refresh_gauges()
         self.metrics.beat()
         self.metrics.up.set(1)

@@ -36,9 +36,10 @@ class Tracker:
     """MLflow client wrapper with an outbox in the ledger."""
 
     def __init__(self, cfg: MlflowConfig, tracking_uri: str, ledger: Ledger, metrics: Metrics,
-                 current_version: Callable[[], int | None]):
+                 current_version: Callable[[], int | None], artifact_location: str | None = None):
         self.cfg = cfg
         self.uri = tracking_uri
+        self.artifact_location = artifact_location
         self.ledger = ledger
         self.metrics = metrics
         self.current_version = current_version
@@ -95,7 +96,8 @@ class Tracker:
     def _experiment(self) -> str:
         if self._experiment_id is None:
             exp = self.client.get_experiment_by_name(self.cfg.experiment)
-            self._experiment_id = exp.experiment_id if exp else self.client.create_experiment(self.cfg.experiment)
+            self._experiment_id = exp.experiment_id if exp else self.client.create_experiment(
+                self.cfg.experiment, artifact_location=self.artifact_location)
         return self._experiment_id
 
     def _log_fold(self, p: dict[str, Any]) -> None:
