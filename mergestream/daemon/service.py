@@ -39,7 +39,9 @@ log = logging.getLogger("mergestream.service")
 
 
 def content_sha256(path: str | os.PathLike) -> str:
-    """sha256 over every regular file of an expert (relative name + bytes, sorted), streamed.
+    """sha256 of an expert's content, streamed: a file's bytes, or a folder's files (relative name +
+    bytes, sorted; the READY marker excluded). The expert's own file or folder name is not part of
+    it, so the same expert copied under two names is one ledger row.
 
     Works on files that do not parse (so a corrupt expert still gets one ledger row).
     """
@@ -47,7 +49,8 @@ def content_sha256(path: str | os.PathLike) -> str:
     files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file() and f.name != "READY")
     h = hashlib.sha256()
     for f in files:
-        h.update(str(f.relative_to(p) if p.is_dir() else f.name).encode())
+        if p.is_dir():
+            h.update(str(f.relative_to(p)).encode())
         with open(f, "rb") as fh:
             while chunk := fh.read(16 * 1024 * 1024):
                 h.update(chunk)
