@@ -267,3 +267,20 @@ def test_operator_commands_without_a_running_daemon(tmp_path):
     assert bad.returncode == 2 and "version 3 does not exist" in bad.stderr
     st = json.loads(run_cli("status", "--config", d.config, "--json").stdout)
     assert st["current_version"] is None and st["experts"] == []
+
+
+@pytest.mark.slow
+def test_tracking_outage_never_stops_folding(tmp_path):
+    base = tiny_base()
+    dead = f"http://127.0.0.1:{free_port()}"
+    d = Daemon(tmp_path, extra={"mlflow": {"tracking_uri": dead, "retry_seconds": 1}})
+    d.start()
+    try:
+        for i in range(2):
+            save_tensors(tmp_path / "inbox" / f"e{i}.safetensors", scaled_expert(base, 40 + i))
+        d.wait(lambda: d.status()["current_version"] == 2, 90, "folding stopped during a tracking outage")
+        assert d.metric("mergestream_tracking_errors_total") >= 2
+        assert d.status()["tracking_pending"] >= 2
+        assert d.http("/healthz")[0] == 200
+    finally:
+        d.stop()

@@ -101,6 +101,10 @@ class Service:
         self.tracker = Tracker(self.cfg.mlflow, self.cfg.tracking_uri(), self.ledger, self.metrics, self.store.current,
                                artifact_location=artifacts)
         os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+        # a tracking outage must cost a fold seconds, not MLflow's minutes of HTTP retries: failed
+        # calls go to the outbox and are retried by the loop instead
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
         logging.getLogger("apscheduler").setLevel(logging.WARNING)
         self._refresh_gauges()
         self.metrics.beat()
