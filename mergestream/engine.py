@@ -151,6 +151,14 @@ def _cast_checked(x: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
     return out
 
 
+def _write_with_aliases(writer: ModelWriter, name: str, result: torch.Tensor, aliases: dict[str, str]) -> None:
+    """Write a tensor and every tensor tied to it in θ₀ (same bytes)."""
+    writer.write(name, result)
+    for alias, primary in aliases.items():
+        if primary == name:
+            writer.write(alias, result)
+
+
 def _provenance(policy: Policy, records: list[dict[str, str]], base: Checkpoint) -> dict[str, str]:
     return {
         "format": "pt",
@@ -266,10 +274,7 @@ def fold(base: str | os.PathLike, backbone: str | os.PathLike | None, expert: st
                     res = pol.fold_tensor(b, bb, tau, st, ctx)
                     del b, tau
                     result = _cast_checked(bb.add_(res.delta, alpha=res.scale), meta)
-                    writer.write(name, result)
-                    for alias, primary in aliases.items():
-                        if primary == name:
-                            writer.write(alias, result)
+                    _write_with_aliases(writer, name, result, aliases)
                     if contrib_writer is not None:
                         contrib_writer.write(name, res.full_delta().cpu())
                     if res.state:
@@ -370,10 +375,7 @@ def _rewrite_from_state(pol: Policy, base: Checkpoint, state_path: Path, coeffs:
         if name in aliases or not is_float_dtype(meta.dtype):
             continue
         result = _cast_checked(t, meta)
-        writer.write(name, result)
-        for alias, primary in aliases.items():
-            if primary == name:
-                writer.write(alias, result)
+        _write_with_aliases(writer, name, result, aliases)
 
 
 def merge(base: str | os.PathLike, experts: list[str | os.PathLike], policy: str | Policy,
@@ -413,10 +415,7 @@ def merge(base: str | os.PathLike, experts: list[str | os.PathLike], policy: str
                     ctx = TensorContext(name, 0, (), is_embedding_name(name), _seed(name))
                     delta = pol.merge_tensor(b, taus, ctx)
                     result = _cast_checked(b.add_(delta), meta)
-                    writer.write(name, result)
-                    for alias, primary in aliases.items():
-                        if primary == name:
-                            writer.write(alias, result)
+                    _write_with_aliases(writer, name, result, aliases)
                     stats.add({}, meta.numel, meta.nbytes * (1 + len(exps)))
 
                 _Pool(threads).run(job, [m.name for m in metas if m.name not in aliases])
@@ -501,10 +500,7 @@ def unmerge(state_dir: str | os.PathLike, expert_id: str, mode: str, *, out: str
                     if c is not None:
                         bb.sub_(c)
                     result = _cast_checked(bb, meta)
-                    writer.write(name, result)
-                    for alias, primary in aliases.items():
-                        if primary == name:
-                            writer.write(alias, result)
+                    _write_with_aliases(writer, name, result, aliases)
                     if st:
                         new_st = pol.drop_from_state(st, k)
                         with lock:
