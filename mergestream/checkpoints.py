@@ -820,6 +820,9 @@ def staged_output(out: str | os.PathLike, *, overwrite: bool = False) -> Iterato
         raise OutputExistsError(f"{out} already exists; choose a new output path")
     out.parent.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(stage, 0o777 & ~umask)  # mkdtemp makes 0700; outputs get the usual folder mode
     try:
         yield stage
         fsync_dir(stage)

@@ -78,7 +78,7 @@ def cli(verbose: int) -> None:
 @click.option("--backbone", type=click.Path(), help="the current backbone θ_{t−1} (default: the base)")
 @click.option("--expert", required=True, type=click.Path(), help="expert checkpoint or LoRA adapter folder")
 @click.option("--policy", required=True, help="task_arithmetic | ties | safe_merge | mdm_oc | opcm | magmax")
-@click.option("--set", "sets", multiple=True, metavar="NAME=VALUE", help="policy parameter (METHODS.md names)")
+@click.option("--set", "sets", multiple=True, metavar="NAME=VALUE", help="policy parameter (names in the README's policy table)")
 @click.option("--state", "state_dir", required=True, type=click.Path(), help="policy state folder")
 @click.option("--out", required=True, type=click.Path(), help="output model folder (must not exist)")
 @click.option("--id", "expert_id", help="expert id (default: the expert's file or folder name)")
@@ -146,9 +146,14 @@ def unmerge_cmd(expert, config_path, state_dir, expert_id, mode, out, backbone, 
         raise MergestreamError("unmerge needs either EXPERT --config FILE, or --state DIR --expert ID --out OUT")
     from .engine import unmerge
 
-    rep = unmerge(state_dir, expert_id or expert, mode, out=out, backbone=backbone, base=base, device=device,
+    removed = expert_id or expert
+    rep = unmerge(state_dir, removed, mode, out=out, backbone=backbone, base=base, device=device,
                   threads=threads, max_shard_bytes=max_shard_bytes)
-    _report(rep, as_json)
+    if as_json:
+        _report(rep, True)
+    else:
+        click.echo(f"{rep.policy}: removed {removed} ({mode}) -> {rep.out} in {rep.seconds:.2f} s; "
+                   f"remaining: {', '.join(rep.experts) or 'none (the base)'}")
 
 
 # -- the daemon and its operator commands ---------------------------------------------------------
@@ -264,7 +269,8 @@ def history_cmd(config_path, as_json) -> None:
         probes = ", ".join(f"{k}={v:.4g}" for k, v in sorted(f["probes"].items()))
         ver = f" -> v{f['version']}" if f["version"] else ""
         reason = f"  reason: {f['reason']}" if f["reason"] else ""
-        click.echo(f"{f['row']:>4} {f['kind']:<8} {str(f['expert_id']):<20} {f['decision']:<9}{ver}  {probes}{reason}")
+        subject = f["expert_id"] or ("-" if f["kind"] != "rollback" else "operator")
+        click.echo(f"{f['row']:>4} {f['kind']:<8} {subject:<20} {f['decision']:<9}{ver}  {probes}{reason}")
 
 
 @cli.command("rollback")

@@ -202,7 +202,7 @@ STARTER = """\
 # The pretrained base θ₀ every expert was fine-tuned from (file or Hugging Face folder).
 base: {base}
 
-# The merge policy and its parameters (names as in METHODS.md):
+# The merge policy and its parameters (the README's policy table lists them all):
 #   task_arithmetic {{lambda}} | ties {{lambda, k}} | safe_merge {{rho, lambda, k, k_s, rank, steps, lambda_old}}
 #   mdm_oc {{alpha, rank, coefficients}} | opcm {{alpha}} | magmax {{lambda}}
 policy:

@@ -45,7 +45,7 @@ class Metrics:
                                  registry=r)
         self.candidate_probe_value = Gauge("candidate_probe_value", "Probe values of the last candidate", ["probe"],
                                            namespace=ns, registry=r)
-        self.rollbacks = Counter("rollbacks", "Candidates rejected by the gate and operator rollbacks", namespace=ns,
+        self.rollbacks = Counter("rollbacks", "Candidates rejected by the gate (current stays where it was)", namespace=ns,
                                  registry=r)
         self.unmerges = Counter("unmerges", "Experts removed from the backbone", namespace=ns, registry=r)
         self.source_errors = Counter("source_errors", "Errors polling or watching sources", ["source"], namespace=ns,

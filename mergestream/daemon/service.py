@@ -488,7 +488,6 @@ class Service:
                 self.ledger.set_status(row.expert_id, "unmerged", f"rolled back to version {version}")
         self.ledger.record_fold("rollback", None, self.cfg.policy.name, {"from": before, "to": version}, time.time(),
                                 0.0, {}, {}, "accepted", f"operator rollback {before} -> {version}", version)
-        self.metrics.rollbacks.inc()
         probes = self.store.fold_json(version).get("probes", {})
         for k, v in probes.items():
             self.metrics.probe_value.labels(probe=k).set(v)
