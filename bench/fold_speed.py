@@ -38,7 +38,8 @@ size runs with proportionally fewer steps and the ``params`` column says so.
 
 How to run (from the repository root)::
 
-    # smoke run, ~50 MB model, well under a minute once mergekit is installed
+    # smoke run: ~50 MB model, SAFE-Merge at 5 steps; about a minute on an idle 2-core
+    # machine once mergekit is installed
     .venv/bin/python bench/fold_speed.py --quick
 
     # the real run: 0.5 GB and 2 GB (tens of minutes on 2 cores; run it in the background),
@@ -47,6 +48,9 @@ How to run (from the repository root)::
 
     # a subset
     .venv/bin/python bench/fold_speed.py --sizes 0.5GB --policies task_arithmetic ties --no-mergekit
+
+    # an interrupted run: keep the rows already in the JSON, measure the rest
+    .venv/bin/python bench/fold_speed.py --sizes 0.5GB 2GB --rev HEAD --resume
 
 mergekit lives in its own virtual environment (default ``/tmp/mergekit-venv``). The script
 creates it on demand; by hand::
@@ -75,6 +79,7 @@ import subprocess
 import sys
 import threading
 import time
+import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -249,8 +254,6 @@ def ensure_models(workdir: Path, size: str, dtype_name: str) -> tuple[Path, Path
 
 def hash_name(name: str) -> int:
     """A stable 31-bit seed for a tensor name (Python's ``hash`` is salted per process)."""
-    import zlib
-
     return zlib.crc32(name.encode()) & 0x7FFFFFFF
 
 
@@ -694,6 +697,11 @@ class SizeContext:
             self.kept.clear()
 
 
+def row_key(size: str, tool: str, policy: str, params: str) -> tuple[str, str, str, str]:
+    """What identifies a row across runs (the floor has two rows, told apart by their params)."""
+    return size, tool, policy, params if tool == "floor" else ""
+
+
 class Results:
     """The JSON document, rewritten after every row."""
 
@@ -726,13 +734,29 @@ class Results:
         }
         self.rows: list[Row] = []
 
-    def add(self, row: Row) -> None:
+    def add(self, row: Row, quiet: bool = False) -> None:
         self.rows.append(row)
         self.doc["rows"] = [asdict(r) for r in self.rows]
         self.save()
+        if quiet:
+            return
         status = row.error.splitlines()[0][:200] if row.error else (
             f"{row.seconds:.2f} s, {row.input_gb_s:.3f} GB/s, {row.peak_rss_mib:.0f} MiB")
         _log(f"{row.size} {row.tool} {row.policy} [{row.params}]: {status}")
+
+    def resume(self) -> dict[tuple[str, str, str, str], Row]:
+        """Successful rows of an earlier run of the same JSON file, by :func:`row_key`.
+
+        The earlier file's model descriptions and agreement checks are carried over too.
+        """
+        if not self.path.is_file():
+            return {}
+        old = json.loads(self.path.read_text())
+        self.doc["resumed"] = {"started": old.get("started"), "argv": old.get("argv")}
+        self.doc["models"].update(old.get("models", {}))
+        self.doc["agreement"].update(old.get("agreement", {}))
+        rows = [Row(**r) for r in old.get("rows", []) if not r.get("error")]
+        return {row_key(r.size, r.tool, r.policy, r.params): r for r in rows}
 
     def save(self) -> None:
         self.doc["finished"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
@@ -866,7 +890,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", nargs="+", choices=list(SIZES), default=["0.5GB", "2GB"],
                    help="model sizes to run (default: 0.5GB 2GB)")
-    p.add_argument("--quick", action="store_true", help="smoke run: the 50MB size only")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: the 50MB size, SAFE-Merge with 5 steps, no waiting for an idle machine")
     p.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES),
                    help="mergestream policies (default: all four)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="POLICY:NAME=VALUE",
@@ -888,12 +913,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds above which SAFE-Merge on a larger size runs with fewer steps")
     p.add_argument("--safe-steps", type=int, help="force SAFE-Merge's steps on every size")
     p.add_argument("--repeat", type=int, default=1, help="runs per row; the fastest is kept (all in the JSON)")
-    p.add_argument("--wait-idle", type=float, default=300.0,
-                   help="before each run, wait up to this many seconds for other processes to go quiet")
+    p.add_argument("--wait-idle", type=float,
+                   help="before each run, wait up to this many seconds for other processes to go quiet "
+                        "(default 300; 0 with --quick)")
     p.add_argument("--max-other-load", type=float, default=0.3,
                    help="a run during which other processes kept more cores busy than this is repeated")
-    p.add_argument("--load-retries", type=int, default=2, help="how many times a contended run is repeated")
+    p.add_argument("--load-retries", type=int,
+                   help="how many times a contended run is repeated (default 2; 0 with --quick)")
     p.add_argument("--timeout", type=float, default=3600.0, help="per-run limit in seconds")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the successful rows already in --json (contended ones too) and run only "
+                        "the missing ones")
     p.add_argument("--keep-outputs", action="store_true", help="keep every output folder in the workdir")
     return p
 
@@ -905,6 +935,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.quick:
         args.sizes = ["50MB"]
+        if args.safe_steps is None and "steps" not in parse_sets(args.sets).get("safe_merge", {}):
+            args.safe_steps = 5
+    if args.wait_idle is None:
+        args.wait_idle = 0.0 if args.quick else 300.0
+    if args.load_retries is None:
+        args.load_retries = 0 if args.quick else 2
     args.policy_sets = parse_sets(args.sets)
     args.workdir = args.workdir.resolve()
     if REPO in args.workdir.parents or args.workdir == REPO:
@@ -920,8 +956,24 @@ def main(argv: list[str] | None = None) -> int:
         results.doc["mergekit"] = {"exe": str(mk_exe) if mk_exe else None, "unavailable": mk_why}
         if mk_exe:
             results.doc["mergekit"]["version"] = _pip_version(args.mergekit_venv, "mergekit")
+    previous = results.resume() if args.resume else {}
     safe_rate: float | None = None
     retry = (args.max_other_load, args.load_retries)
+
+    def measure(ctx: SizeContext, tool: str, policy: str, params: str, run) -> Row:
+        """Run one row (or take it from the file being resumed) and record it."""
+        key = row_key(ctx.size, tool, policy, params)
+        if key in previous:
+            row = previous[key]
+            out = ctx.scratch / f"{ctx.size}-{tool}-{policy}-out"
+            if policy in MERGEKIT_METHODS and out.is_dir():
+                ctx.kept[f"{tool}-{policy}"] = out
+            _log(f"{ctx.size} {tool} {policy}: kept from {args.json}")
+        else:
+            row = best_of(args.repeat, run, *retry)
+        results.add(row, quiet=key in previous)
+        return row
+
     for size in sizes:
         base, expert, spec = ensure_models(args.workdir, size, args.dtype)
         inputs = weight_files(base) + weight_files(expert)
@@ -934,18 +986,18 @@ def main(argv: list[str] | None = None) -> int:
         _log(f"== {size}: {model_bytes / GB:.3f} GB per checkpoint, {len(inputs)} input files")
         if not args.no_floor:
             for fsync in (True, False):
-                results.add(best_of(args.repeat, lambda: run_floor(ctx, fsync), *retry))
+                measure(ctx, "floor", "read+copy", "fsync" if fsync else "no fsync", lambda: run_floor(ctx, fsync))
         for policy in args.policies:
             sets, note = dict(args.policy_sets.get(policy, {})), ""
             if policy == "safe_merge":
                 sets, note = safe_merge_plan(args, model_bytes, safe_rate)
-            row = best_of(args.repeat, lambda: run_mergestream(ctx, policy, sets, note), *retry)
-            results.add(row)
-            if policy == "safe_merge" and not row.error and "steps" not in sets:
+            row = measure(ctx, "mergestream", policy, "", lambda: run_mergestream(ctx, policy, sets, note))
+            steps = row.extra.get("policy_params", {}).get("steps")
+            if policy == "safe_merge" and not row.error and steps == SAFE_DEFAULT_STEPS:
                 safe_rate = row.seconds / model_bytes
         if not args.no_mergekit:
             for method in MERGEKIT_METHODS:
-                results.add(best_of(args.repeat, lambda: run_mergekit(ctx, method, mk_exe, mk_why), *retry))
+                measure(ctx, "mergekit", method, "", lambda: run_mergekit(ctx, method, mk_exe, mk_why))
         for method in MERGEKIT_METHODS:
             ours, theirs = ctx.kept.get(f"mergestream-{method}"), ctx.kept.get(f"mergekit-{method}")
             if ours and theirs:
