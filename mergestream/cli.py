@@ -359,6 +359,16 @@ def _register_patch_commands() -> None:
 _register_patch_commands()
 
 
+@cli.command("demo", context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+             add_help_option=False)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def demo_forward(args) -> None:
+    """The daemon on real input: MiniLM experts (built and cached) + a harmful one (see --help)."""
+    from .demo import demo_cmd  # imports torch/transformers only for this verb
+
+    demo_cmd.main(args=list(args), prog_name="mergestream demo", standalone_mode=True)
+
+
 def _report(rep, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(rep.to_json(), indent=2))
