@@ -527,6 +527,7 @@ def run_mergestream(ctx: SizeContext, policy: str, sets: dict[str, str], note: s
     row.extra["output_bytes"] = tree_bytes(out)
     row.extra["state_bytes"] = tree_bytes(state)
     row.extra["command"] = cmd
+    row.extra["mergestream_source"] = ctx.args.mergestream_source
     if m.returncode != 0 or m.timed_out:
         row.error = "timed out" if m.timed_out else f"exit {m.returncode}: {m.tail()}"
     else:
@@ -744,10 +745,12 @@ class Results:
             f"{row.seconds:.2f} s, {row.input_gb_s:.3f} GB/s, {row.peak_rss_mib:.0f} MiB")
         _log(f"{row.size} {row.tool} {row.policy} [{row.params}]: {status}")
 
-    def resume(self) -> dict[tuple[str, str, str, str], Row]:
+    def resume(self, source: str) -> dict[tuple[str, str, str, str], Row]:
         """Successful rows of an earlier run of the same JSON file, by :func:`row_key`.
 
-        The earlier file's model descriptions and agreement checks are carried over too.
+        mergestream rows are kept only when they measured the same code (``source``: a commit, or
+        the working tree at a HEAD); a dirty working tree never matches. The earlier file's model
+        descriptions and agreement checks are carried over too.
         """
         if not self.path.is_file():
             return {}
@@ -756,6 +759,8 @@ class Results:
         self.doc["models"].update(old.get("models", {}))
         self.doc["agreement"].update(old.get("agreement", {}))
         rows = [Row(**r) for r in old.get("rows", []) if not r.get("error")]
+        rows = [r for r in rows if r.tool != "mergestream" or (
+            r.extra.get("mergestream_source") == source and not source.endswith("+dirty"))]
         return {row_key(r.size, r.tool, r.policy, r.params): r for r in rows}
 
     def save(self) -> None:
@@ -950,13 +955,16 @@ def main(argv: list[str] | None = None) -> int:
     sizes = sorted(dict.fromkeys(args.sizes), key=lambda s: SIZES[s].numel())
     results = Results(args.json, args)
     args.mergestream_env, results.doc["mergestream"] = mergestream_source(args)
+    source = results.doc["mergestream"]
+    args.mergestream_source = source.get("commit") or f"worktree@{source.get('head', '?')}" + (
+        "+dirty" if source.get("worktree_dirty") else "")
     mk_exe, mk_why = (None, "skipped (--no-mergekit)")
     if not args.no_mergekit:
         mk_exe, mk_why = ensure_mergekit(args)
         results.doc["mergekit"] = {"exe": str(mk_exe) if mk_exe else None, "unavailable": mk_why}
         if mk_exe:
             results.doc["mergekit"]["version"] = _pip_version(args.mergekit_venv, "mergekit")
-    previous = results.resume() if args.resume else {}
+    previous = results.resume(args.mergestream_source) if args.resume else {}
     safe_rate: float | None = None
     retry = (args.max_other_load, args.load_retries)
 
