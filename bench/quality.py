@@ -26,10 +26,8 @@ Hyperparameters without --tune are the METHODS.md defaults (recorded in each run
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
-import os
 import random
 import shutil
 import sys

@@ -34,7 +34,6 @@ from ._alloc import pin_mmap_threshold
 from .checkpoints import (
     DEFAULT_SHARD_BYTES,
     Checkpoint,
-    LoraExpert,
     ModelWriter,
     SpoolWriter,
     TensorMeta,

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 from .. import engine
-from ..checkpoints import read_state_dict  # noqa: F401  (re-exported for tests)
 from ..config import Config
 from ..errors import CheckpointError, MergestreamError, ValidationError
 from ..state import StateDir
