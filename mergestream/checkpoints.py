@@ -32,6 +32,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -726,6 +727,7 @@ class ModelWriter:
             self._fds.append(fd)
             self.files.append(path)
         self._pending = set(self._where)
+        self._lock = threading.Lock()
         self.bytes_written = 0
         if n > 1:
             weight_map = {m.name: self.files[i].name for i, g in enumerate(shards) for m in g}
@@ -744,8 +746,9 @@ class ModelWriter:
             raise ValueError(f"{name}: got {tuple(tensor.shape)} {tensor.dtype}, planned {meta.shape} {meta.dtype}")
         data = _tensor_bytes(tensor)
         _pwrite_all(self._fds[shard], data, offset)
-        self.bytes_written += len(data)
-        self._pending.discard(name)
+        with self._lock:  # write() is called from worker threads
+            self.bytes_written += len(data)
+            self._pending.discard(name)
 
     def close(self) -> None:
         """fsync and close every shard; raises RuntimeError if a planned tensor is missing."""

@@ -120,7 +120,9 @@ class GeneralizedTaskArithmetic(Policy):
                 tau = trim_top_k(tau, self.params.k)
             return TensorFold(tau.mul_(lam))
         if n == 0 or lam == 0:
-            return TensorFold(self._merge([tau], [1.0]).mul_(lam))
+            # one input: sign election and disjoint mean (or max) return the trimmed vector itself,
+            # so skip their tensor-sized temporaries
+            return TensorFold(trim_top_k(tau, self.params.k).mul_(lam))
         prev = (backbone - base).div_(lam)  # τ_m of the n experts folded so far
         if self.consensus == "max":
             trimmed = trim_top_k(tau, self.params.k)
