@@ -265,7 +265,8 @@ def fold(base: str | os.PathLike, backbone: str | os.PathLike | None, expert: st
                         writer.write(name, base_ck.get(name))
                         return
                     b = base_ck.get(name).to(dev, torch.float32)
-                    bb = cur.get(name).to(dev, torch.float32)
+                    # first fold: θ_{t−1} is θ₀, already in memory (a copy, since it is updated in place)
+                    bb = b.clone() if cur is base_ck else cur.get(name).to(dev, torch.float32)
                     tau = exp.task_vector(name, b).to(dev)
                     with state_lock:
                         st = {k: v.to(dev) for k, v in sd.tensor_state(name).items()}

@@ -226,9 +226,12 @@ class Ledger:
         return out
 
     def add_version(self, number: int, path: str, experts: list[str], fold_row: int | None) -> None:
+        """Record a published version and link the fold that produced it (one transaction)."""
         with self._tx() as db:
             db.execute("INSERT INTO versions (number, path, experts, fold_row, created) VALUES (?, ?, ?, ?, ?)",
                        (number, path, json.dumps(experts), fold_row, time.time()))
+            if fold_row is not None:
+                db.execute("UPDATE folds SET version = ? WHERE row = ?", (number, fold_row))
 
     def versions(self) -> list[dict[str, Any]]:
         return [dict(r) | {"experts": json.loads(r["experts"])} for r in self._q("SELECT * FROM versions ORDER BY number")]

@@ -392,8 +392,6 @@ class Service:
                         "time": time.time()}
             version = self.store.publish(staging, fold_doc)
             self.ledger.add_version(version, str(self.store.path(version)), experts_in, fold_row)
-            with self.ledger._tx() as db:
-                db.execute("UPDATE folds SET version = ? WHERE row = ?", (version, fold_row))
             if kind == "fold" and row is not None:
                 self.ledger.set_status(row.expert_id, "accepted", None, version)
                 if candidate_expert is not None:
