@@ -43,6 +43,8 @@ import torch  # noqa: E402
 
 from mergestream import experts as X  # noqa: E402
 from mergestream.engine import fold, unmerge  # noqa: E402
+from mergestream.patch_build import build_patch  # noqa: E402
+from mergestream.ri import RIParams, adapt_expert  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -106,20 +108,33 @@ class Evaluator:
 
 
 def fold_stream(order: list[str], experts: dict[str, Path], policy: str, params: dict[str, Any], ev: Evaluator,
-                workdir: Path, *, full_steps: bool, log, objective_for=None, keep_final: bool = False) -> dict[str, Any]:
-    """Fold ``order`` one by one; returns steps, fold seconds, final metrics (and the state folder)."""
+                workdir: Path, *, full_steps: bool, log, objective_for=None, keep_final: bool = False,
+                patches: bool = False, ri=None) -> dict[str, Any]:
+    """Fold ``order`` one by one; returns steps, fold seconds, final metrics (and the state folder).
+
+    ``patches``: build the version-to-version patch after every fold and record its size / the
+    model's. ``ri``: ``ri(order[:t]) -> (adapted expert folder, RI seconds)``, the RI pre-step.
+    """
     base = X.base_model_path()
     run = Path(tempfile.mkdtemp(prefix=f"{policy}-", dir=workdir))
     state = run / "state"
     prev: Path | None = None
-    steps, diag, fold_s = [], {}, []
+    steps, diag, fold_s, patch_ratio, ri_s = [], {}, [], [], []
     for t, task in enumerate(order, 1):
         out = run / f"v{t}"
+        src = experts[task]
+        if ri is not None:
+            src, secs = ri(tuple(order[:t]))
+            ri_s.append(secs)
         t0 = time.perf_counter()
         objective = objective_for(order[:t]) if objective_for is not None else None
-        fold(base, prev, experts[task], policy, params, state_dir=state, out=out, expert_id=task,
+        fold(base, prev, src, policy, params, state_dir=state, out=out, expert_id=task,
              objective=objective)
         fold_s.append(time.perf_counter() - t0)
+        if patches and prev is not None:
+            st = build_patch(prev, out, run / "patch.safetensors", source_version=str(t - 1), target_version=str(t),
+                             policy=policy, overwrite=True)
+            patch_ratio.append(st["ratio"])
         if prev is not None:
             shutil.rmtree(prev, ignore_errors=True)
         prev = out
@@ -129,12 +144,14 @@ def fold_stream(order: list[str], experts: dict[str, Path], policy: str, params:
         else:
             accs, g = ev.measure(out, [task], with_g=False)
         diag[task] = accs[task]
-        steps.append({"t": t, "task": task, "acc": accs, "G": g, "fold_seconds": fold_s[-1]})
+        steps.append({"t": t, "task": task, "acc": accs, "G": g, "fold_seconds": fold_s[-1],
+                      "patch_ratio": patch_ratio[-1] if patches and t > 1 else None,
+                      "ri_seconds": ri_s[-1] if ri_s else None})
         log(f"  {policy} t={t} {task}: acc[{task}]={accs[task]:.1f}" + (f" G={g:.2f}" if g is not None else "")
             + f" fold {fold_s[-1]:.1f}s")
     final_acc = steps[-1]["acc"]
     res = {"steps": steps, "diag": diag, "final_acc": final_acc, "G": steps[-1]["G"], "fold_seconds": fold_s,
-           "run": run, "state": state, "backbone": prev}
+           "patch_ratio": patch_ratio, "ri_seconds": ri_s, "run": run, "state": state, "backbone": prev}
     if not keep_final:
         shutil.rmtree(run, ignore_errors=True)
     return res
@@ -146,8 +163,13 @@ def summarise(order: list[str], res: dict[str, Any], expert_acc: dict[str, float
     bwt = float(np.mean([fa[t] - res["diag"][t] for t in order[:-1]])) if len(order) > 1 else 0.0
     norm = float(np.mean([100.0 * fa[t] / expert_acc[t] for t in order]))
     g = float(res["G"])
-    return {"ACC": acc, "BWT": bwt, "G": g, "H": hmean(acc, g), "norm_ACC": norm,
-            "fold_seconds_mean": float(np.mean(res["fold_seconds"]))}
+    out = {"ACC": acc, "BWT": bwt, "G": g, "H": hmean(acc, g), "norm_ACC": norm,
+           "fold_seconds_mean": float(np.mean(res["fold_seconds"]))}
+    if res.get("patch_ratio"):
+        out["patch_ratio_mean"] = float(np.mean(res["patch_ratio"]))
+    if res.get("ri_seconds"):
+        out["ri_seconds_mean"] = float(np.mean(res["ri_seconds"]))
+    return out
 
 
 def uad(order: list[str], res: dict[str, Any], ev: Evaluator, remove: str, log) -> dict[str, Any]:
@@ -228,8 +250,11 @@ def write_md(doc: dict[str, Any], path: Path) -> None:
               "Mean over orders (file order + shuffles) ± std where there are several; UAD = mean accuracy "
               "drop of the remaining tasks after `unmerge --mode subtract` of the first task, against the "
               "model folded without it from the start (= `--mode replay`), file order.", "",
-              "| policy | params | ACC | norm ACC | BWT | G | H | fold s | UAD |",
-              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              "patch/model = size of the version-to-version patch (`versions/N/patch-from-<N-1>`) over the full "
+              "model's, mean over folds 2..T of the file order; RI s = seconds of the RI pre-step per expert "
+              "(the first expert of an order has no earlier heads, so RI leaves it unchanged).", "",
+              "| policy | params | ACC | norm ACC | BWT | G | H | fold s | RI s | patch/model | UAD |",
+              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in doc["runs"]:
         groups.setdefault(label(r), []).append(r)
@@ -238,9 +263,13 @@ def write_md(doc: dict[str, Any], path: Path) -> None:
             v = [r["final"][key] for r in rs]
             return f"{np.mean(v):.1f}" + (f" ± {np.std(v):.1f}" if len(v) > 1 else "")
         u = next((r["uad"]["UAD"] for r in rs if r.get("uad")), None)
+        pr = next((r["final"]["patch_ratio_mean"] for r in rs if r["final"].get("patch_ratio_mean") is not None), None)
+        ri_s = [r["final"]["ri_seconds_mean"] for r in rs if r["final"].get("ri_seconds_mean") is not None]
         params = ", ".join(f"{k}={v}" for k, v in rs[0]["params"].items())
         lines.append(f"| {name} | {params} | {cell('ACC')} | {cell('norm_ACC')} | {cell('BWT')} | {cell('G')} | "
                      f"{cell('H')} | {np.mean([r['final']['fold_seconds_mean'] for r in rs]):.1f} | "
+                     + (f"{np.mean(ri_s):.1f}" if ri_s else "–") + " | "
+                     + (f"{pr:.3f}" if pr is not None else "–") + " | "
                      + (f"{u:.2f}" if u is not None else "–") + " |")
     planned = doc.get("planned_runs")
     if planned:
@@ -335,6 +364,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cmaes", action="store_true")
     ap.add_argument("--cmaes-budget", type=int, default=12)
     ap.add_argument("--no-uad", action="store_true")
+    ap.add_argument("--ri-policies", default="task_arithmetic,ties,best",
+                    help="policies also run with the RI pre-step ('+ri' rows); 'best' = the best other "
+                         "policy by H on the file order; '' for none")
+    ap.add_argument("--ri-steps", type=int, default=40, help="RI AdamW steps per expert")
+    ap.add_argument("--ri-lr", type=float, default=1e-5)
+    ap.add_argument("--ri-aux", type=int, default=48,
+                    help="unlabeled train-split inputs per task seen so far used as RI auxiliary data")
+    ap.add_argument("--no-patches", action="store_true", help="skip the patch size measurement")
     ap.add_argument("--lp-train", type=int, default=None, help="train rows for the linear-probe reference (default: all)")
     ap.add_argument("--reduced-note", default="", help="text for quality.md about what was reduced")
     ap.add_argument("--recipe", default="", help="recipe overrides for smoke runs, e.g. max_train=64,max_steps=4")
@@ -442,11 +479,61 @@ def main(argv: list[str] | None = None) -> int:
     shuffle_labels = set(args.shuffle_policies.split(",")) if args.shuffle_policies else None
     planned = [[p[0] + p[1], seed] for seed, _ in rng_orders for p in pols
                if seed is None or shuffle_labels is None or p[0] + p[1] in shuffle_labels]
+    ri_params = RIParams(steps=args.ri_steps, lr=args.ri_lr, batch_size=16, max_length=64, eval_examples=64)
+    ri_done: dict[tuple[str, ...], tuple[Path, float]] = {}
+
+    def ri(prefix: tuple[str, ...]) -> tuple[Path, float]:
+        """The RI-adapted expert of prefix[-1] given the earlier tasks' heads (cached per prefix)."""
+        if prefix not in ri_done:
+            task = prefix[-1]
+            aux = [(r[0], r[1]) for s_ in prefix for r in X.subsample(tdata[s_].train, args.ri_aux, seed=5)]
+            t0 = time.perf_counter()
+            dst = work / "ri" / ("-".join(prefix[:-1]) or "first") / task
+            path, res = adapt_expert(experts[task], X.base_model_path(), dst, own_head=heads[task],
+                                     other_heads=[heads[s_] for s_ in prefix[:-1]], aux=aux, params=ri_params,
+                                     cache_dir=work / "ri-cache")
+            ri_done[prefix] = (path, time.perf_counter() - t0)
+            log(f"  RI {task} after {len(prefix) - 1} task(s): {res.steps} steps, loss {res.loss_before:.4f} -> "
+                f"{res.loss_after:.4f}, {ri_done[prefix][1]:.1f}s")
+        return ri_done[prefix]
+
+    ri_wanted = [p for p in args.ri_policies.split(",") if p]
     runs = []
     # every policy on the file order first, then the shuffles (an interrupted run keeps the former)
     for seed, order in rng_orders:
-        for pol, var, params in pols:
-            if [pol + var, seed] not in planned:
+        order_pols = list(pols)
+        if ri_wanted:
+            names = [p for p in ri_wanted if p != "best"]
+            if "best" in ri_wanted:
+                cands = [r for r in runs if r["order_seed"] is None and not r["variant"]
+                         and r["policy"] not in ("task_arithmetic", "ties")]
+                if seed is None or not cands:
+                    pass  # decided after the file order's plain rows (below)
+                else:
+                    names.append(max(cands, key=lambda r: r["final"]["H"])["policy"])
+            order_pols += [("__ri__", n, {}) for n in names]
+            if "best" in ri_wanted and seed is None:
+                order_pols.append(("__ri__", "best", {}))
+        for pol, var, params in order_pols:
+            use_ri = pol == "__ri__"
+            if use_ri:
+                name = var
+                if name == "best":
+                    cands = [r for r in runs if r["order_seed"] is None and not r["variant"]
+                             and r["policy"] not in ("task_arithmetic", "ties")]
+                    if not cands:
+                        continue
+                    name = max(cands, key=lambda r: r["final"]["H"])["policy"]
+                    log(f"best other policy by H on the file order: {name}")
+                src = next((p for p in pols if p[0] == name and not p[1]), None)
+                if src is None:
+                    continue
+                pol, var, params = src[0], "+ri", dict(src[2])
+                if [pol + var, seed] not in planned:
+                    planned.append([pol + var, seed])
+                if shuffle_labels is not None and seed is not None and pol + var not in shuffle_labels:
+                    continue
+            elif [pol + var, seed] not in planned:
                 continue
             log(f"{pol}{var} {params} order={'file' if seed is None else seed}: {','.join(order)}")
             objective_for = None
@@ -458,7 +545,8 @@ def main(argv: list[str] | None = None) -> int:
             full = seed is None or not args.final_only_shuffles
             want_uad = seed is None and pol in UAD_POLICIES and not var and not args.no_uad
             res = fold_stream(order, experts, pol, params, ev, work, full_steps=full, log=log, objective_for=objective_for,
-                              keep_final=want_uad)
+                              keep_final=want_uad, patches=seed is None and not args.no_patches,
+                              ri=ri if use_ri else None)
             run = {"policy": pol, "variant": var, "order_seed": seed, "order": order, "params": params,
                    "final": summarise(order, res, ref["expert_acc"]),
                    "steps": [{"t": s["t"], "task": s["task"], "acc": s["acc"], "G": s["G"],
@@ -474,6 +562,8 @@ def main(argv: list[str] | None = None) -> int:
                    "protocol": {"tasks": tasks, "eval_examples": args.eval_examples, "sts_pairs": args.sts_pairs, "lp_train": args.lp_train,
                                 "shuffles": args.shuffles, "final_only_shuffles": args.final_only_shuffles,
                                 "tuned": bool(args.tune), "tuning": tuned, "reduced": args.reduced_note,
+                                "ri": {"policies": ri_wanted, "params": ri_params.__dict__, "aux_per_task": args.ri_aux,
+                                       "aux": "unlabeled train-split inputs of the tasks seen so far"},
                                 "recipe": {t: X.read_expert(experts[t])["recipe"] for t in tasks},
                                 "experts": {t: str(experts[t]) for t in tasks},
                                 "torch_threads": torch.get_num_threads()},

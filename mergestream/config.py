@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from .errors import MergestreamError
@@ -27,12 +27,61 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class RIConfig(_Section):
+    """The RI (Resolving Interference) pre-step, enabled with ``policy.preprocess: [ri]``.
+
+    Each expert that ships a task head (``mergestream_probe/``) is adapted before it is folded:
+    it keeps its own head's outputs and, through every earlier accepted task's head, looks like θ₀
+    on the auxiliary inputs (Ramesh et al., arXiv 2603.13467; :mod:`mergestream.ri`).
+    """
+
+    data: Path | None = Field(None, description="unlabeled auxiliary inputs: text file (one per line) or JSONL "
+                                                "with text[, text2]; required when ri is enabled")
+    max_examples: int | None = Field(512, ge=1, description="use the first N auxiliary inputs")
+    alpha: float = Field(1.0, ge=0, description="weight of the look-like-the-base term (paper: 1)")
+    steps: int = Field(100, ge=0, description="step budget (AdamW updates); 0 = identity")
+    time_budget_seconds: float | None = Field(300.0, ge=0, description="time budget per expert (s)")
+    lr: float = Field(1e-5, gt=0, description="AdamW learning rate")
+    batch_size: int = Field(16, ge=1)
+    max_length: int = Field(64, ge=1, description="tokens per input (Hugging Face features)")
+    forward: str | None = Field(None, description="package.module:factory returning a FeatureModel; "
+                                                  "default: Hugging Face encoder + pooling of the task probe")
+    on_missing_head: Literal["skip", "reject"] = Field(
+        "skip", description="an expert without a task head: fold it unadapted (skip) or reject it")
+
+
+class ObjectiveConfig(_Section):
+    """The data-probe objective of CMA-ES coefficients (``mdm_oc`` with ``coefficients: cmaes``):
+    maximise task_weight × mean task accuracy + general_weight × the sentence_similarity probe."""
+
+    task_weight: float = Field(1.0, ge=0)
+    general_weight: float = Field(1.0, ge=0)
+    examples_per_task: int = Field(64, ge=1, description="first N rows of each task probe")
+    general_pairs: int = Field(200, ge=2, description="first N pairs of the sentence_similarity probe")
+
+
 class PolicyConfig(_Section):
     """The merge policy and its parameters (names as in METHODS.md)."""
 
     name: str = Field("task_arithmetic", description="task_arithmetic | ties | safe_merge | mdm_oc | opcm | magmax")
     params: dict[str, Any] = Field(default_factory=dict, description="policy parameters, e.g. {lambda: 0.3}")
     unmerge_mode: Literal["subtract", "replay"] = Field("subtract", description="how `unmerge EXPERT` removes an expert")
+    preprocess: list[Literal["ri"]] = Field(default_factory=list, description="pre-steps applied to each expert")
+    ri: RIConfig = Field(default_factory=RIConfig)
+    objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)
+
+    @field_validator("preprocess")
+    @classmethod
+    def _unique(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError("each pre-step may appear once")
+        return v
+
+    @model_validator(mode="after")
+    def _ri_needs_data(self) -> PolicyConfig:
+        if "ri" in self.preprocess and self.ri.data is None:
+            raise ValueError("preprocess [ri] needs ri.data (a file of unlabeled auxiliary inputs)")
+        return self
 
 
 class WatchConfig(_Section):
@@ -165,9 +214,15 @@ class Config(BaseSettings):
 
 
 def _resolve(data: dict[str, Any], root: Path) -> dict[str, Any]:
+    def fix(d: dict[str, Any], key: str) -> None:
+        if isinstance(d.get(key), str) and not os.path.isabs(os.path.expanduser(d[key])):
+            d[key] = str((root / d[key]).resolve())
+
     for key in ("base", "inbox", "state_dir"):
-        if isinstance(data.get(key), str) and not os.path.isabs(os.path.expanduser(data[key])):
-            data[key] = str((root / data[key]).resolve())
+        fix(data, key)
+    ri = (data.get("policy") or {}).get("ri") if isinstance(data.get("policy"), dict) else None
+    if isinstance(ri, dict):
+        fix(ri, "data")
     return data
 
 
@@ -209,6 +264,11 @@ policy:
   name: {policy}
   params: {{}}
   unmerge_mode: subtract        # how `mergestream unmerge EXPERT` removes an expert: subtract | replay
+  # Data-driven extras (README, "Data-driven merging"):
+  # preprocess: [ri]            # RI pre-step: adapt each expert (that ships a task head) on unlabeled data
+  # ri: {{data: aux.txt, steps: 100, time_budget_seconds: 300, alpha: 1.0}}
+  # with mdm_oc and params {{coefficients: cmaes, budget: 40}}, CMA-ES maximises the data probes:
+  # objective: {{task_weight: 1.0, general_weight: 1.0, examples_per_task: 64, general_pairs: 200}}
 
 # New experts arrive here: a .safetensors file, a Hugging Face folder or a PEFT LoRA adapter folder.
 # One is ready when a READY marker appears (inside a folder; `<file>.READY` next to a file), or when

@@ -66,6 +66,9 @@ class FoldReport:
     Attributes:
         seconds: wall time of the whole call (s). bytes_read / bytes_written: tensor data (bytes).
         stats: policy statistics averaged over tensors (e.g. ``kept_fraction``).
+        coefficients: MDM-OC's α of every folded expert after this fold.
+        search: for CMA-ES coefficients, ``{"evaluations", "objective_start", "objective"}`` (the
+            penalised objective at the starting α and at the chosen α; lower is better).
     """
 
     out: str
@@ -77,6 +80,7 @@ class FoldReport:
     bytes_written: int = 0
     stats: dict[str, float] = field(default_factory=dict)
     coefficients: list[float] | None = None
+    search: dict[str, float] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -286,13 +290,14 @@ def fold(base: str | os.PathLike, backbone: str | os.PathLike | None, expert: st
                 _Pool(threads).run(job, [m.name for m in metas if m.name not in aliases])
                 state_writer.close()
                 coeffs = None
+                search = None
                 if coeff is not None:
                     coeffs = list(prev_coeffs) + [coeff]
                     if getattr(pol.params, "coefficients", "fixed") == "cmaes":
                         if objective is None:
                             raise PolicyError("coefficients=cmaes needs an objective (--objective module:function)")
-                        coeffs = _optimise_coefficients(pol, base_ck, state_path, coeffs, list(prev_coeffs),
-                                                        objective, dev)
+                        coeffs, search = _optimise_coefficients(pol, base_ck, state_path, coeffs, list(prev_coeffs),
+                                                                objective, dev)
                         _rewrite_from_state(pol, base_ck, state_path, coeffs, writer, dev, threads, aliases)
                 writer.close()
                 if contrib_writer is not None:
@@ -330,7 +335,7 @@ def fold(base: str | os.PathLike, backbone: str | os.PathLike | None, expert: st
     report = FoldReport(out=str(out), policy=pol.name, params=pol.describe(), experts=[eid],
                         seconds=time.perf_counter() - t0, bytes_read=stats.bytes_read,
                         bytes_written=writer.bytes_written, stats=stats.summary(),
-                        coefficients=[float(c) for c in coeffs] if coeffs else None)
+                        coefficients=[float(c) for c in coeffs] if coeffs else None, search=search)
     log.info("fold expert=%s policy=%s seconds=%.2f out=%s", eid, pol.name, report.seconds, out)
     return report
 
@@ -357,15 +362,21 @@ def _weights_stream(pol: Policy, base: Checkpoint, state_path: Path, coeffs: lis
 
 
 def _optimise_coefficients(pol: Policy, base: Checkpoint, state_path: Path, start: list[float],
-                           anchor: list[float], objective: Objective, dev: torch.device) -> list[float]:
+                           anchor: list[float], objective: Objective,
+                           dev: torch.device) -> tuple[list[float], dict[str, float]]:
     p = pol.params
+    seen: list[float] = []
 
     def f(alphas: np.ndarray) -> float:
-        return float(objective(alphas, lambda: _weights_stream(pol, base, state_path, list(alphas), dev)))
+        v = float(objective(alphas, lambda: _weights_stream(pol, base, state_path, list(alphas), dev)))
+        seen.append(v)
+        return v
 
     best, loss, evals = cmaes_coefficients(f, start, anchor, stability=p.stability, budget=p.budget, sigma=p.sigma)
-    log.info("cmaes coefficients=%s loss=%.6g evaluations=%d", [round(float(x), 4) for x in best], loss, evals)
-    return [float(x) for x in best]
+    start_pen = seen[0] + p.stability * float(np.sum((np.asarray(start[: len(anchor)]) - np.asarray(anchor)) ** 2))
+    log.info("cmaes coefficients=%s objective_start=%.6g objective=%.6g evaluations=%d",
+             [round(float(x), 4) for x in best], start_pen, loss, evals)
+    return [float(x) for x in best], {"evaluations": float(evals), "objective_start": start_pen, "objective": float(loss)}
 
 
 def _rewrite_from_state(pol: Policy, base: Checkpoint, state_path: Path, coeffs: list[float],

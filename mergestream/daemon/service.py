@@ -56,6 +56,10 @@ def content_sha256(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
+class _PreStepRejected(MergestreamError):
+    """A pre-step (RI) refused the expert; it is rejected with this reason."""
+
+
 class Service:
     """The daemon. ``start()`` takes the lock and starts everything; ``run()`` loops until stopped."""
 
@@ -82,7 +86,17 @@ class Service:
 
         Raises:
             LockedError: another daemon holds the state folder.
+            ConfigError: ``policy.preprocess`` has ``ri`` and its auxiliary data cannot be read.
         """
+        if "ri" in self.cfg.policy.preprocess:  # fail fast on a bad RI data file, before any work
+            from ..config import ConfigError
+            from ..ri import RIError, read_aux
+
+            try:
+                n = len(read_aux(self.cfg.policy.ri.data, self.cfg.policy.ri.max_examples))
+            except RIError as exc:
+                raise ConfigError(f"policy.ri.data: {exc}") from None
+            log.info("ri pre-step enabled: %d auxiliary inputs from %s", n, self.cfg.policy.ri.data)
         self.store.lock()
         self.cfg.state_dir.mkdir(parents=True, exist_ok=True)
         self.cfg.inbox.mkdir(parents=True, exist_ok=True)
@@ -288,37 +302,137 @@ class Service:
 
     # -- the fold ---------------------------------------------------------------------------------------
     def fold_expert(self, row: ExpertRow) -> str:
-        """Fold one claimed expert; returns its final status (accepted, rejected, failed)."""
+        """Fold one claimed expert; returns its final status (accepted, rejected, failed).
+
+        With ``policy.preprocess: [ri]`` the expert is first adapted by the RI pre-step
+        (:meth:`_ri_pre_step`); with ``mdm_oc`` and ``coefficients: cmaes`` the coefficients are
+        chosen by CMA-ES on the data probes (:meth:`_probe_objective`). Both are recorded in the
+        fold's timings (MLflow metrics) and in ``fold.json``.
+        """
         t0 = time.time()
         pol = self.cfg.policy
         staging = self.store.new_staging()
         cur = self.store.current_path()
         backbone = cur / "model" if cur else None
         timings: dict[str, float] = {}
+        extra: dict[str, Any] = {}
         log.info("fold start expert=%s policy=%s backbone=%s", row.expert_id, pol.name, backbone)
         if row.registry_key and not self._registry_version_exists(row.registry_key):
             return self._finish(row, staging, t0, "rejected", "the registry version was deleted before it was folded",
                                 {}, timings, stage="validation")
+        candidate_expert = Path(row.uri) if Path(row.uri).is_dir() else None
+        src = row.uri
         try:
+            if "ri" in pol.preprocess:
+                src = self._ri_pre_step(row, candidate_expert, timings, extra)
+            objective = None
+            if pol.name == "mdm_oc" and pol.params.get("coefficients") == "cmaes":
+                objective = self._probe_objective(candidate_expert)
             self.store.carry_state(staging / "state")
             hook = self._tensor_hook()
-            rep = engine.fold(self.cfg.base, backbone, row.uri, pol.name, pol.params, state_dir=staging / "state",
+            rep = engine.fold(self.cfg.base, backbone, src, pol.name, pol.params, state_dir=staging / "state",
                               out=staging / "model", expert_id=row.expert_id, device=self.cfg.device,
                               threads=self.cfg.fold_threads, max_shard_bytes=self.cfg.max_shard_bytes,
-                              tensor_hook=hook)
+                              tensor_hook=hook, objective=objective)
             timings["fold_seconds"] = rep.seconds
             self.metrics.bytes_read.inc(rep.bytes_read)
             self.metrics.bytes_written.inc(rep.bytes_written)
+            params = dict(rep.params)
+            if rep.coefficients is not None:
+                params["coefficients_all"] = [round(c, 6) for c in rep.coefficients]
+            if rep.search is not None:
+                timings.update({f"cmaes_{k}": float(v) for k, v in rep.search.items()})
+                extra["cmaes"] = {**rep.search, "coefficients": rep.coefficients,
+                                  "evaluations_log": [{"alphas": a, **v} for a, v in objective.evaluations]}
+        except _PreStepRejected as exc:
+            self._drop_ri(row.expert_id)
+            return self._finish(row, staging, t0, "rejected", str(exc), {}, timings, stage="preprocess")
         except (ValidationError, CheckpointError, FileNotFoundError) as exc:
+            self._drop_ri(row.expert_id)
             return self._finish(row, staging, t0, "rejected", f"{type(exc).__name__}: {exc}", {}, timings,
                                 stage="validation")
         except MergestreamError as exc:
+            self._drop_ri(row.expert_id)
             return self._finish(row, staging, t0, "failed", f"{type(exc).__name__}: {exc}", {}, timings)
         except Exception as exc:  # a bug or an environment problem: record it, keep serving
             log.exception("fold of %s failed", row.expert_id)
+            self._drop_ri(row.expert_id)
             return self._finish(row, staging, t0, "failed", f"{type(exc).__name__}: {exc}", {}, timings)
-        return self._probe_gate_publish(row, staging, t0, timings, rep.params, kind="fold",
-                                        candidate_expert=Path(row.uri) if Path(row.uri).is_dir() else None)
+        outcome = self._probe_gate_publish(row, staging, t0, timings, params, kind="fold",
+                                           candidate_expert=candidate_expert, extra=extra)
+        if outcome != "accepted":
+            self._drop_ri(row.expert_id)
+        return outcome
+
+    # -- data-driven extras -----------------------------------------------------------------------------
+    def _ri_dir(self, expert_id: str) -> Path:
+        return self.cfg.state_dir / "ri" / expert_id
+
+    def _drop_ri(self, expert_id: str) -> None:
+        shutil.rmtree(self._ri_dir(expert_id), ignore_errors=True)
+
+    def _ri_pre_step(self, row: ExpertRow, expert_dir: Path | None, timings: dict[str, float],
+                     extra: dict[str, Any]) -> str:
+        """Adapt the expert with RI; returns the path to fold (the adapted copy, kept under
+        ``state_dir/ri/<expert>`` while the expert is in the backbone so replay can re-read it).
+
+        Raises:
+            _PreStepRejected: the expert has no task head and ``ri.on_missing_head`` is reject,
+                or RI cannot run on it (bad auxiliary data, unloadable expert, mismatched head).
+        """
+        from ..ri import RIError, RIParams, adapt_expert, load_feature_model, read_aux
+        from .probes import discover_task_probe, load_head
+
+        rc = self.cfg.policy.ri
+        spec = discover_task_probe(expert_dir) if expert_dir is not None else None
+        if spec is None:
+            msg = "RI needs the expert's task head (mergestream_probe/) and it has none"
+            if rc.on_missing_head == "reject":
+                raise _PreStepRejected(msg)
+            log.warning("%s: folding %s unadapted", msg, row.expert_id)
+            extra["ri"] = {"skipped": msg}
+            timings["ri_skipped"] = 1.0
+            return row.uri
+        others = [s for s in self._task_specs() if s.task != spec.task]
+        try:
+            aux = read_aux(rc.data, rc.max_examples)
+            tok = expert_dir if any((expert_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt")) \
+                else Path(self.cfg.base)
+            fm = load_feature_model(rc.forward, tokenizer=tok, pooling=spec.pooling, max_length=rc.max_length)
+            params = RIParams(alpha=rc.alpha, steps=rc.steps, time_budget_seconds=rc.time_budget_seconds, lr=rc.lr,
+                              batch_size=rc.batch_size, max_length=rc.max_length)
+
+            def progress(step: int, loss: float) -> None:
+                self.metrics.beat()
+                if step % 10 == 0 or step == params.steps:
+                    log.info("ri expert=%s step=%d/%d loss=%.5g", row.expert_id, step, params.steps, loss)
+
+            t = time.time()
+            path, res = adapt_expert(expert_dir, self.cfg.base, self._ri_dir(row.expert_id),
+                                     own_head=load_head(spec.head, spec.task),
+                                     other_heads=[load_head(s.head, s.task) for s in others], aux=aux, params=params,
+                                     feature_model=fm, cache_dir=self.cfg.state_dir / "cache", device=self.cfg.device,
+                                     progress=progress)
+        except RIError as exc:
+            raise _PreStepRejected(f"RI pre-step: {exc}") from exc
+        timings.update(ri_seconds=time.time() - t, ri_steps=float(res.steps), ri_loss_before=res.loss_before,
+                       ri_loss_after=res.loss_after)
+        extra["ri"] = {**res.to_json(), "other_tasks": [s.task for s in others]}
+        return str(path)
+
+    def _probe_objective(self, candidate_expert: Path | None):
+        """The CMA-ES objective on the data probes (task heads incl. the candidate's, and the
+        configured sentence_similarity probe), see :class:`mergestream.daemon.objective.ProbeObjective`."""
+        from .objective import ProbeObjective
+        from .probes import SentenceSimilarityProbe
+
+        oc = self.cfg.policy.objective
+        general = next((p for p in self.probes() if isinstance(p, SentenceSimilarityProbe)), None)
+        base = Path(self.cfg.base)
+        return ProbeObjective(base, self._task_specs(candidate_expert), general, tokenizer=base,
+                              task_weight=oc.task_weight, general_weight=oc.general_weight,
+                              examples_per_task=oc.examples_per_task, general_pairs=oc.general_pairs,
+                              device=self.cfg.device, on_eval=lambda *_: self.metrics.beat())
 
     def _tensor_hook(self):
         delay = self._delay
@@ -348,7 +462,7 @@ class Service:
 
     def _probe_gate_publish(self, row: ExpertRow | None, staging: Path, t0: float, timings: dict[str, float],
                             params: dict[str, Any], kind: str, candidate_expert: Path | None = None,
-                            unmerged: str | None = None) -> str:
+                            unmerged: str | None = None, extra: dict[str, Any] | None = None) -> str:
         cur = self.store.current_path()
         try:
             tp = time.time()
@@ -368,12 +482,12 @@ class Service:
             return self._finish(row, staging, t0, "rejected", decision.reason, values, timings, stage="gate",
                                 kind=kind, params=params, subject=unmerged)
         return self._finish(row, staging, t0, "accepted", None, values, timings, kind=kind, params=params,
-                            subject=unmerged, candidate_expert=candidate_expert)
+                            subject=unmerged, candidate_expert=candidate_expert, extra=extra)
 
     def _finish(self, row: ExpertRow | None, staging: Path, t0: float, outcome: str, reason: str | None,
                 probes: dict[str, float], timings: dict[str, float], *, stage: str = "", kind: str = "fold",
                 params: dict[str, Any] | None = None, subject: str | None = None,
-                candidate_expert: Path | None = None) -> str:
+                candidate_expert: Path | None = None, extra: dict[str, Any] | None = None) -> str:
         pol = self.cfg.policy
         seconds = time.time() - t0
         expert_id = row.expert_id if row else subject
@@ -389,7 +503,7 @@ class Service:
             experts_in = StateDir(staging / "state").manifest.ids() if (staging / "state" / "manifest.json").exists() else []
             fold_doc = {"kind": kind, "expert": expert_id, "policy": pol.name, "params": params, "probes": probes,
                         "timings": timings, "decision": outcome, "experts": experts_in, "previous": prev,
-                        "time": time.time()}
+                        "time": time.time(), **(extra or {})}
             version = self.store.publish(staging, fold_doc)
             self.ledger.add_version(version, str(self.store.path(version)), experts_in, fold_row)
             if kind == "fold" and row is not None:
