@@ -310,6 +310,27 @@ def test_cmaes_respects_budget_and_never_worsens(dim):
     assert float(np.sum((best - 1.7) ** 2)) < start_loss
 
 
+@pytest.mark.parametrize("dim", [1, 2, 4])
+@pytest.mark.parametrize("budget", [1, 2, 9, 30])
+def test_cmaes_returns_the_start_when_nothing_beats_it(dim, budget):
+    """An objective whose minimum is the start point (and a rugged one around it): CMA-ES may only
+    return the start, with its loss, after at most ``budget`` evaluations."""
+    start = np.linspace(0.2, 0.6, dim)
+    rng = np.random.default_rng(0)
+    calls = []
+
+    def f(x):
+        calls.append(x.copy())
+        d = float(np.sum((x - start) ** 2))
+        return d + (0.0 if d == 0 else 0.5 + abs(rng.standard_normal()))  # every other point is worse
+
+    best, loss, used = cmaes_coefficients(f, list(start), list(start[:-1]), stability=1.0, budget=budget, sigma=0.3)
+    assert used == len(calls) <= budget
+    np.testing.assert_array_equal(best, start)
+    assert loss == 0.0
+    np.testing.assert_array_equal(calls[0], start)  # the start is evaluated first
+
+
 # -- OPCM and MagMax -----------------------------------------------------------------------
 def test_opcm_keeps_merged_norm_at_running_mean(tmp_path):
     bpath, experts = _models(tmp_path, n_experts=3)
