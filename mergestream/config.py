@@ -203,6 +203,15 @@ class Config(BaseSettings):
             v = [ProbeConfig(type="weight_space"), *v]
         return v
 
+    @model_validator(mode="after")
+    def _cmaes_needs_data_probes(self) -> Config:
+        p = self.policy
+        if p.name == "mdm_oc" and p.params.get("coefficients") == "cmaes" and \
+                not any(q.type in ("classification", "sentence_similarity") for q in self.probes):
+            raise ValueError("mdm_oc with coefficients: cmaes optimises the data probes: add a classification "
+                             "and/or sentence_similarity probe")
+        return self
+
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
                                    file_secret_settings) -> tuple[PydanticBaseSettingsSource, ...]:

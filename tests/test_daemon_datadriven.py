@@ -187,3 +187,11 @@ def test_cmaes_coefficients_on_the_data_probes_logged_per_fold(bert, experts, tm
     for r in runs:
         assert "cmaes_evaluations" in r.data.metrics and "cmaes_objective" in r.data.metrics
         assert "coefficients_all" in r.data.params
+
+
+def test_cmaes_without_data_probes_is_a_config_error(bert, tmp_path):
+    from mergestream.config import ConfigError, load_config
+
+    (tmp_path / "c.yaml").write_text(f"base: {bert}\npolicy: {{name: mdm_oc, params: {{coefficients: cmaes}}}}\n")
+    with pytest.raises(ConfigError, match="classification"):
+        load_config(tmp_path / "c.yaml")
