@@ -300,12 +300,18 @@ class _Demo:
         self.svc = Service(self.cfg, serve_metrics=True, watch_sources=True)
         builder = threading.Thread(target=self._builder, name="demo-builder", daemon=True)
         daemon_t = None
+        from rich.console import Console
+
+        console = Console()
+        plain = not live or not console.is_terminal  # a log file or a pipe: one line per change
+        t0 = time.perf_counter()
         try:
+            console.print(f"[{0:4.0f}s] starting the daemon: measuring θ₀ with the probes (STS-B, weight space)")
             self.svc.start()
             daemon_t = threading.Thread(target=self._daemon_loop, name="demo-daemon", daemon=True)
             daemon_t.start()
             builder.start()
-            if live:
+            if not plain:
                 from rich.live import Live
 
                 with Live(self.render(), refresh_per_second=2, transient=False) as lv:
@@ -314,7 +320,21 @@ class _Demo:
                         lv.update(self.render())
                     lv.update(self.render())
             else:
-                while not self.stop.is_set() and not self.done():
+                seen: dict[str, str] = {}
+                while True:
+                    stop = self.stop.is_set() or self.done()
+                    rows, _ = self.snapshot()
+                    for spec in self.specs:
+                        r = rows.get(spec.name)
+                        state = (f"{r.status}" + (f" (version {r.version})" if r.version else "")
+                                 + (f": {r.reason}" if r.reason else "")) if r is not None else \
+                            self.build.get(spec.name, "waiting")
+                        if seen.get(spec.name) != state:
+                            seen[spec.name] = state
+                            console.print(f"[{time.perf_counter() - t0:4.0f}s] {spec.name}: {state}", highlight=False,
+                                          soft_wrap=True)
+                    if stop:
+                        break
                     time.sleep(0.5)
             if self.error is not None:
                 raise self.error
@@ -390,13 +410,17 @@ def print_summary(res: DemoResult, console=None) -> None:
     console.print(f"finished in {res.seconds:.0f}s; versions published: {len(accepted)} "
                   f"(kept {res.versions}, current = {res.current})")
     t = Table(title="experts")
-    for c in ("expert", "task", "own test acc %", "own STS", "outcome", "version"):
+    # an expert's own test accuracy / STS are known when bench/experts.py built it (the demo skips them)
+    measured = any(e["expert"].get("test_accuracy") is not None for e in res.experts)
+    for c in ("expert", "task", *(("own test acc %", "own STS") if measured else ()), "outcome", "version"):
         t.add_column(c)
     for e in res.experts:
         m = e["expert"]
-        acc = f"{m['test_accuracy']:.1f}" if m.get("test_accuracy") is not None else ""
-        sts = f"{m['sts_spearman']:.2f}" if m.get("sts_spearman") is not None else ""
-        t.add_row(e["id"] + (" (harmful)" if e["harmful"] else ""), e["task"], acc, sts, e["status"] or "?",
+        own = ()
+        if measured:
+            own = (f"{m['test_accuracy']:.1f}" if m.get("test_accuracy") is not None else "–",
+                   f"{m['sts_spearman']:.2f}" if m.get("sts_spearman") is not None else "–")
+        t.add_row(e["id"] + (" (harmful)" if e["harmful"] else ""), e["task"], *own, e["status"] or "?",
                   str(e["version"] or ""))
     console.print(t)
     for e in rejected:
@@ -413,8 +437,8 @@ def print_summary(res: DemoResult, console=None) -> None:
         console.print(f"MLflow store:  {res.tracking_uri}   (browse: mlflow ui --backend-store-uri {res.tracking_uri})")
     else:
         console.print(f"MLflow store:  {res.tracking_uri}")
-    console.print(f"metrics:       {res.metrics_url or '(off)'} (served while the daemon runs: "
-                  f"mergestream run --config {res.config})")
+    console.print(f"metrics:       {res.metrics_url or '(off)'} was served while the demo ran; to serve it "
+                  f"again and keep folding: mergestream run --config {res.config}")
     console.print(f"daemon log:    {res.workdir / 'daemon.log'}")
     console.print(f"history:       mergestream history --config {res.config}")
 

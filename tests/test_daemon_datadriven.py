@@ -195,3 +195,33 @@ def test_cmaes_without_data_probes_is_a_config_error(bert, tmp_path):
     (tmp_path / "c.yaml").write_text(f"base: {bert}\npolicy: {{name: mdm_oc, params: {{coefficients: cmaes}}}}\n")
     with pytest.raises(ConfigError, match="classification"):
         load_config(tmp_path / "c.yaml")
+
+
+def test_stop_abandons_a_fold_in_progress_and_the_expert_stays_queued(bert, experts, tmp_path):
+    """SIGTERM/SIGINT during a long fold: the daemon does not finish the fold first (k8s gives
+    30 s); the staging is removed and the expert is folded on the next start."""
+    import threading
+    import time
+
+    c = Config(base=bert, inbox=tmp_path / "inbox", state_dir=tmp_path / "state", metrics={"enabled": False},
+               mlflow={"enabled": False})
+    svc = Service(c, serve_metrics=False, watch_sources=False)
+    svc.start()
+    svc._delay = 0.5  # seconds per tensor: the fold would take ~20 s
+    try:
+        svc.on_expert_ready(ExpertReady(source="folder", uri=str(experts[0]), expert_id="e0"))
+        threading.Timer(1.0, svc.stop).start()
+        t0 = time.monotonic()
+        assert svc.step()
+        assert time.monotonic() - t0 < 5.0
+        assert svc.ledger.expert("e0").status == "pending"
+        assert svc.store.current() is None
+        assert not list((tmp_path / "state" / "staging").glob("*")) if (tmp_path / "state" / "staging").exists() else True
+    finally:
+        svc.shutdown()
+    svc2 = Service(c, serve_metrics=False, watch_sources=False)
+    svc2.start()
+    try:
+        assert svc2.step() and svc2.ledger.expert("e0").status == "accepted"
+    finally:
+        svc2.shutdown()

@@ -60,6 +60,11 @@ class _PreStepRejected(MergestreamError):
     """A pre-step (RI) refused the expert; it is rejected with this reason."""
 
 
+class _StopRequested(Exception):
+    """Raised inside a fold (per tensor, per RI step, per CMA-ES evaluation) once a stop was asked:
+    the fold is abandoned and its expert stays queued for the next start."""
+
+
 class Service:
     """The daemon. ``start()`` takes the lock and starts everything; ``run()`` loops until stopped."""
 
@@ -162,9 +167,15 @@ class Service:
                 self.webhook.start()
 
     def stop(self) -> None:
-        """Ask the loop to stop after the current step (signal-safe)."""
+        """Ask the loop to stop (signal-safe). A fold in progress is abandoned at its next tensor
+        (or RI step, or CMA-ES evaluation): its staging is removed and the expert is folded again
+        on the next start. Probes of a finished fold run to the end."""
         self.stopping.set()
         self.wake.set()
+
+    def _check_stop(self) -> None:
+        if self.stopping.is_set():
+            raise _StopRequested()
 
     def shutdown(self) -> None:
         for s in self.sources:
@@ -184,8 +195,15 @@ class Service:
 
     def run(self) -> None:
         """Start, then loop until SIGTERM/SIGINT; always shuts down cleanly."""
+        def on_signal(signum, _frame) -> None:
+            if not self.stopping.is_set():
+                # os.write: no logging lock inside a signal handler
+                os.write(2, f"mergestream: {signal.Signals(signum).name} received, stopping "
+                            f"(a fold in progress is abandoned and redone on the next start)\n".encode())
+            self.stop()
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: self.stop())
+            signal.signal(sig, on_signal)
         self.start()
         try:
             while not self.stopping.is_set():
@@ -344,6 +362,12 @@ class Service:
                 timings.update({f"cmaes_{k}": float(v) for k, v in rep.search.items()})
                 extra["cmaes"] = {**rep.search, "coefficients": rep.coefficients,
                                   "evaluations_log": [{"alphas": a, **v} for a, v in objective.evaluations]}
+        except _StopRequested:
+            shutil.rmtree(staging, ignore_errors=True)
+            self._drop_ri(row.expert_id)
+            self.ledger.requeue_interrupted()
+            log.warning("fold of %s abandoned: stop requested; it stays queued for the next start", row.expert_id)
+            return "pending"
         except _PreStepRejected as exc:
             self._drop_ri(row.expert_id)
             return self._finish(row, staging, t0, "rejected", str(exc), {}, timings, stage="preprocess")
@@ -404,6 +428,7 @@ class Service:
 
             def progress(step: int, loss: float) -> None:
                 self.metrics.beat()
+                self._check_stop()
                 if step % 10 == 0 or step == params.steps:
                     log.info("ri expert=%s step=%d/%d loss=%.5g", row.expert_id, step, params.steps, loss)
 
@@ -432,13 +457,14 @@ class Service:
         return ProbeObjective(base, self._task_specs(candidate_expert), general, tokenizer=base,
                               task_weight=oc.task_weight, general_weight=oc.general_weight,
                               examples_per_task=oc.examples_per_task, general_pairs=oc.general_pairs,
-                              device=self.cfg.device, on_eval=lambda *_: self.metrics.beat())
+                              device=self.cfg.device, on_eval=lambda *_: (self.metrics.beat(), self._check_stop()))
 
     def _tensor_hook(self):
         delay = self._delay
 
         def hook(_name: str) -> None:
             self.metrics.beat()
+            self._check_stop()
             if delay:
                 time.sleep(delay)
 
