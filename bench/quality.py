@@ -217,6 +217,18 @@ def make_objective(ev: Evaluator, val_rows: dict[str, list], seen: list[str]):
 # ------------------------------------------------------------------------------------------
 # Output
 # ------------------------------------------------------------------------------------------
+def complete_plan(doc: dict[str, Any]) -> None:
+    """``+ri`` rows enter ``planned_runs`` only when their order is reached (the "best other"
+    policy is chosen during the run): once a ``+ri`` label is known, plan it on every order."""
+    seeds = [None, *range(doc["protocol"]["shuffles"])]
+    plan = doc.setdefault("planned_runs", [])
+    for name in sorted({n for n, _ in plan if n.endswith("+ri")}):
+        for seed in seeds:
+            if [name, seed] not in plan:
+                plan.append([name, seed])
+
+
+
 def label(run: dict[str, Any]) -> str:
     return run["policy"] + run["variant"]
 
@@ -396,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
             shuf = (args.shuffle_policies or args.planned_policies).split(",")
             doc["planned_runs"] = [[n, None] for n in names] + [[n, s] for s in range(doc["protocol"]["shuffles"])
                                                                 for n in shuf]
+        complete_plan(doc)
         doc["plots"] = plot(doc, out)
         (out / "quality.json").write_text(json.dumps(doc, indent=1) + "\n")
         write_md(doc, out / "quality.md")
@@ -550,7 +563,8 @@ def main(argv: list[str] | None = None) -> int:
             run = {"policy": pol, "variant": var, "order_seed": seed, "order": order, "params": params,
                    "final": summarise(order, res, ref["expert_acc"]),
                    "steps": [{"t": s["t"], "task": s["task"], "acc": s["acc"], "G": s["G"],
-                              "fold_seconds": s["fold_seconds"]} for s in res["steps"]],
+                              "fold_seconds": s["fold_seconds"], "patch_ratio": s["patch_ratio"],
+                              "ri_seconds": s["ri_seconds"]} for s in res["steps"]],
                    "diag": res["diag"]}
             if want_uad:
                 run["uad"] = uad(order, res, ev, order[0], log)
@@ -570,6 +584,7 @@ def main(argv: list[str] | None = None) -> int:
                    "references": ref, "runs": runs, "skipped": skipped, "planned_runs": planned,
                    "seconds": time.perf_counter() - t_start}
             # written after every run, so an interrupted benchmark still leaves its results
+            complete_plan(doc)
             doc["plots"] = plot(doc, out)
             (out / "quality.json").write_text(json.dumps(doc, indent=1) + "\n")
             write_md(doc, out / "quality.md")
