@@ -331,7 +331,7 @@ class _Demo:
                             self.build.get(spec.name, "waiting")
                         if seen.get(spec.name) != state:
                             seen[spec.name] = state
-                            console.print(f"[{time.perf_counter() - t0:4.0f}s] {spec.name}: {state}", highlight=False,
+                            console.print(f"[{time.perf_counter() - t0:4.0f}s] {spec.name}: {state}", highlight=False, markup=False,
                                           soft_wrap=True)
                     if stop:
                         break
