@@ -50,7 +50,7 @@ from .checkpoints import (
     validate_against_base,
 )
 from .errors import MergestreamError, NonFiniteError, OutputExistsError, PolicyError, StateError
-from .policies import Policy, TensorContext, cmaes_coefficients, make_policy
+from .policies import Policy, TensorContext, cmaes_coefficients, make_policy, stability_penalty
 from .state import SEP, FoldRecord, Manifest, StateDir, final_name
 
 log = logging.getLogger(__name__)
@@ -373,7 +373,7 @@ def _optimise_coefficients(pol: Policy, base: Checkpoint, state_path: Path, star
         return v
 
     best, loss, evals = cmaes_coefficients(f, start, anchor, stability=p.stability, budget=p.budget, sigma=p.sigma)
-    start_pen = seen[0] + p.stability * float(np.sum((np.asarray(start[: len(anchor)]) - np.asarray(anchor)) ** 2))
+    start_pen = seen[0] + p.stability * stability_penalty(start, anchor)
     log.info("cmaes coefficients=%s objective_start=%.6g objective=%.6g evaluations=%d",
              [round(float(x), 4) for x in best], start_pen, loss, evals)
     return [float(x) for x in best], {"evaluations": float(evals), "objective_start": start_pen, "objective": float(loss)}

@@ -321,11 +321,9 @@ class HFEncoderFeatures:
         enc = self.tok(a, [p or "" for p in pair], **kw) if any(p is not None for p in pair) else self.tok(a, **kw)
         dev = next(model.parameters()).device
         enc = {k: v.to(dev) for k, v in enc.items()}
-        hidden = model(**enc).last_hidden_state
-        if self.pooling == "cls":
-            return hidden[:, 0].float()
-        m = enc["attention_mask"].to(hidden.dtype).unsqueeze(-1)
-        return ((hidden * m).sum(1) / m.sum(1).clamp_min(1e-9)).float()
+        from .daemon.probes import _pool  # the probes' pooling, so RI adapts what the probes measure
+
+        return _pool(model(**enc).last_hidden_state, enc["attention_mask"], self.pooling)
 
 
 def load_feature_model(spec: str | None, *, tokenizer: str | os.PathLike, pooling: str = "mean",

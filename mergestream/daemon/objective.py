@@ -13,7 +13,6 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -22,11 +21,11 @@ from .probes import (
     ProbeError,
     SentenceSimilarityProbe,
     TaskProbeSpec,
-    embed,
+    head_accuracy_of,
     load_head,
     read_labelled_jsonl,
     read_scored_pairs,
-    spearman,
+    sts_spearman_of,
 )
 
 log = logging.getLogger(__name__)
@@ -99,26 +98,14 @@ class ProbeObjective:
     def score(self) -> dict[str, float]:
         """The probe values of the resident encoder: acc.<task> (%), sts (x100) and the weighted score."""
         out: dict[str, float] = {}
-        accs = []
         for spec, w, b, rows in self.tasks:
-            t2 = [r[1] for r in rows]
-            emb = embed(self.model, self.tok, [r[0] for r in rows], t2 if any(t2) else None, pooling=spec.pooling,
-                        max_length=128, device=self.device)
-            acc = 100.0 * float(((emb @ w.T + b).argmax(1) == torch.tensor([r[2] for r in rows])).double().mean())
-            out[f"acc.{spec.task}"] = acc
-            accs.append(acc)
+            out[f"acc.{spec.task}"] = head_accuracy_of(self.model, self.tok, rows, w, b, task=spec.task,
+                                                       pooling=spec.pooling, device=self.device)
+        accs = list(out.values())
         score = self.task_weight * float(np.mean(accs)) if accs and self.task_weight > 0 else 0.0
         if self.pairs:
-            index: dict[str, int] = {}
-            for _, a, b_ in self.pairs:
-                index.setdefault(a, len(index))
-                index.setdefault(b_, len(index))
-            emb = torch.nn.functional.normalize(embed(self.model, self.tok, list(index), max_length=self.max_length,
-                                                      device=self.device).double(), dim=1)
-            ia = torch.tensor([index[a] for _, a, _ in self.pairs])
-            ib = torch.tensor([index[b_] for _, _, b_ in self.pairs])
-            rho = spearman((emb[ia] * emb[ib]).sum(1).numpy(), [s for s, _, _ in self.pairs])
-            out["sts"] = 0.0 if np.isnan(rho) else 100.0 * rho
+            sts = sts_spearman_of(self.model, self.tok, self.pairs, max_length=self.max_length, device=self.device)
+            out["sts"] = 0.0 if np.isnan(sts) else sts
             score += self.general_weight * out["sts"]
         out["score"] = score
         return out
@@ -133,7 +120,3 @@ class ProbeObjective:
         if self.on_eval is not None:
             self.on_eval(alphas, vals)
         return -vals["score"] / 100.0
-
-    def summary(self) -> dict[str, Any]:
-        return {"evaluations": len(self.evaluations),
-                "best_score": max((v["score"] for _, v in self.evaluations), default=None)}

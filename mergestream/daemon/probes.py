@@ -854,6 +854,40 @@ def load_head(path: Path, task: str = "?") -> tuple[torch.Tensor, torch.Tensor]:
     return w, b
 
 
+def sts_spearman_of(model, tok, rows: list[tuple[float, str, str]], *, batch_size: int = 32, max_length: int = 128,
+                    device: torch.device | str = "cpu") -> float:
+    """100 × Spearman(cosine of the mean-pooled embeddings of each pair, gold score) of a loaded
+    encoder; NaN when the correlation is undefined (constant cosines). Each distinct sentence is
+    embedded once."""
+    index: dict[str, int] = {}
+    for _, a, b in rows:
+        index.setdefault(a, len(index))
+        index.setdefault(b, len(index))
+    emb = embed(model, tok, list(index), pooling="mean", batch_size=batch_size, max_length=max_length, device=device)
+    emb = torch.nn.functional.normalize(emb.double(), dim=1)
+    ia = torch.tensor([index[a] for _, a, _ in rows])
+    ib = torch.tensor([index[b] for _, _, b in rows])
+    return 100.0 * spearman((emb[ia] * emb[ib]).sum(1).numpy(), [s for s, _, _ in rows])
+
+
+def head_accuracy_of(model, tok, rows: list[tuple[str, str | None, int]], w: torch.Tensor, b: torch.Tensor, *,
+                     task: str = "?", pooling: str = "mean", batch_size: int = 32, max_length: int = 128,
+                     device: torch.device | str = "cpu") -> float:
+    """Accuracy (%) of a linear head (``w`` classes × hidden, ``b`` classes) on the pooled
+    embeddings of labelled rows ``(text, text2 | None, label)`` of a loaded encoder.
+
+    Raises:
+        ProbeError: the head's hidden size differs from the model's.
+    """
+    texts2 = [t2 for _, t2, _ in rows]
+    emb = embed(model, tok, [t for t, _, _ in rows], texts2 if any(texts2) else None, pooling=pooling,
+                batch_size=batch_size, max_length=max_length, device=device)
+    if emb.shape[1] != w.shape[1]:
+        raise ProbeError(f"task {task!r}: head expects hidden size {w.shape[1]}, the model gives {emb.shape[1]}")
+    pred = (emb @ w.T + b).argmax(1)
+    return 100.0 * float((pred == torch.tensor([y for _, _, y in rows])).double().mean())
+
+
 class SentenceSimilarityProbe:
     """General-knowledge probe of an encoder: STS-style Spearman correlation.
 
@@ -891,22 +925,12 @@ class SentenceSimilarityProbe:
         dev = _device(ctx)
         tok = load_tokenizer(Path(model_dir), ctx)
         model = load_model(Path(model_dir), "encoder", dev)
-        index: dict[str, int] = {}
-        for _, a, b in rows:
-            index.setdefault(a, len(index))
-            index.setdefault(b, len(index))
-        emb = embed(model, tok, list(index), pooling="mean", batch_size=self.batch_size,
-                    max_length=self.max_length, device=dev)
-        emb = torch.nn.functional.normalize(emb.double(), dim=1)
-        ia = torch.tensor([index[a] for _, a, _ in rows])
-        ib = torch.tensor([index[b] for _, _, b in rows])
-        cos = (emb[ia] * emb[ib]).sum(1).numpy()
-        rho = spearman(cos, [s for s, _, _ in rows])
+        rho = sts_spearman_of(model, tok, rows, batch_size=self.batch_size, max_length=self.max_length, device=dev)
         if math.isnan(rho):
             log.warning("probe=%s metric=%s undefined correlation (constant cosines); reporting 0.0",
                         self.name, self.metric)
             rho = 0.0
-        return {self.metric: 100.0 * rho}
+        return {self.metric: rho}
 
 
 class PerplexityProbe:
@@ -1024,15 +1048,8 @@ class ClassificationProbe:
             if bad:
                 raise ProbeError(f"task {spec.task!r}: label {bad[0]} in {spec.data} but the head has "
                                  f"{w.shape[0]} classes")
-            texts2 = [t2 for _, t2, _ in rows]
-            emb = embed(model, tok, [t for t, _, _ in rows], texts2 if any(texts2) else None,
-                        pooling=spec.pooling, batch_size=self.batch_size, max_length=self.max_length, device=dev)
-            if emb.shape[1] != w.shape[1]:
-                raise ProbeError(f"task {spec.task!r}: head {spec.head} expects hidden size {w.shape[1]}, "
-                                 f"the model gives {emb.shape[1]}")
-            pred = (emb @ w.T + b).argmax(1)
-            labels = torch.tensor([y for _, _, y in rows])
-            out[metric] = 100.0 * float((pred == labels).double().mean())
+            out[metric] = head_accuracy_of(model, tok, rows, w, b, task=spec.task, pooling=spec.pooling,
+                                           batch_size=self.batch_size, max_length=self.max_length, device=dev)
             log.debug("probe=%s task=%s examples=%d accuracy=%.3f", self.name, spec.task, len(rows), out[metric])
         return out
 

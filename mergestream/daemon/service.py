@@ -369,23 +369,20 @@ class Service:
             log.warning("fold of %s abandoned: stop requested; it stays queued for the next start", row.expert_id)
             return "pending"
         except _PreStepRejected as exc:
-            self._drop_ri(row.expert_id)
-            return self._finish(row, staging, t0, "rejected", str(exc), {}, timings, stage="preprocess")
+            outcome = self._finish(row, staging, t0, "rejected", str(exc), {}, timings, stage="preprocess")
         except (ValidationError, CheckpointError, FileNotFoundError) as exc:
-            self._drop_ri(row.expert_id)
-            return self._finish(row, staging, t0, "rejected", f"{type(exc).__name__}: {exc}", {}, timings,
-                                stage="validation")
+            outcome = self._finish(row, staging, t0, "rejected", f"{type(exc).__name__}: {exc}", {}, timings,
+                                   stage="validation")
         except MergestreamError as exc:
-            self._drop_ri(row.expert_id)
-            return self._finish(row, staging, t0, "failed", f"{type(exc).__name__}: {exc}", {}, timings)
+            outcome = self._finish(row, staging, t0, "failed", f"{type(exc).__name__}: {exc}", {}, timings)
         except Exception as exc:  # a bug or an environment problem: record it, keep serving
             log.exception("fold of %s failed", row.expert_id)
-            self._drop_ri(row.expert_id)
-            return self._finish(row, staging, t0, "failed", f"{type(exc).__name__}: {exc}", {}, timings)
-        outcome = self._probe_gate_publish(row, staging, t0, timings, params, kind="fold",
-                                           candidate_expert=candidate_expert, extra=extra)
+            outcome = self._finish(row, staging, t0, "failed", f"{type(exc).__name__}: {exc}", {}, timings)
+        else:
+            outcome = self._probe_gate_publish(row, staging, t0, timings, params, kind="fold",
+                                               candidate_expert=candidate_expert, extra=extra)
         if outcome != "accepted":
-            self._drop_ri(row.expert_id)
+            self._drop_ri(row.expert_id)  # only an accepted expert's adapted copy is kept (for replay)
         return outcome
 
     # -- data-driven extras -----------------------------------------------------------------------------
@@ -405,7 +402,7 @@ class Service:
                 or RI cannot run on it (bad auxiliary data, unloadable expert, mismatched head).
         """
         from ..ri import RIError, RIParams, adapt_expert, load_feature_model, read_aux
-        from .probes import discover_task_probe, load_head
+        from .probes import _has_tokenizer, discover_task_probe, load_head
 
         rc = self.cfg.policy.ri
         spec = discover_task_probe(expert_dir) if expert_dir is not None else None
@@ -420,8 +417,7 @@ class Service:
         others = [s for s in self._task_specs() if s.task != spec.task]
         try:
             aux = read_aux(rc.data, rc.max_examples)
-            tok = expert_dir if any((expert_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt")) \
-                else Path(self.cfg.base)
+            tok = expert_dir if _has_tokenizer(expert_dir) else Path(self.cfg.base)
             fm = load_feature_model(rc.forward, tokenizer=tok, pooling=spec.pooling, max_length=rc.max_length)
             params = RIParams(alpha=rc.alpha, steps=rc.steps, time_budget_seconds=rc.time_budget_seconds, lr=rc.lr,
                               batch_size=rc.batch_size, max_length=rc.max_length)

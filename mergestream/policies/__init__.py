@@ -5,7 +5,7 @@ as in METHODS.md (``lambda``, ``k``, ``rho``, ``rank``, ``alpha``, ...).
 """
 
 from .base import Policy, PolicyParams, TensorContext, TensorFold, make_policy
-from .mdm_oc import MdmOc, cmaes_coefficients
+from .mdm_oc import MdmOc, cmaes_coefficients, stability_penalty
 from .opcm import Opcm
 from .safe_merge import SafeMerge
 from .task_arithmetic import MagMax, TaskArithmetic, Ties
@@ -15,4 +15,4 @@ REGISTRY: dict[str, type[Policy]] = {
 }
 
 __all__ = ["REGISTRY", "Policy", "PolicyParams", "TensorContext", "TensorFold", "make_policy",
-           "cmaes_coefficients", "MdmOc", "Opcm", "SafeMerge", "MagMax", "TaskArithmetic", "Ties"]
+           "cmaes_coefficients", "stability_penalty", "MdmOc", "Opcm", "SafeMerge", "MagMax", "TaskArithmetic", "Ties"]

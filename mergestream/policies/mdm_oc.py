@@ -182,6 +182,12 @@ class MdmOc(Policy):
         return out
 
 
+def stability_penalty(alphas: Sequence[float], anchor: Sequence[float]) -> float:
+    """Σ_{i<len(anchor)} (αᵢ − anchorᵢ)², the unweighted stability term of MDM-OC eq. 7."""
+    anc = np.asarray(anchor, dtype=float)
+    return float(np.sum((np.asarray(alphas, dtype=float)[: len(anc)] - anc) ** 2)) if len(anc) else 0.0
+
+
 def cmaes_coefficients(objective: Callable[[np.ndarray], float], start: Sequence[float],
                        anchor: Sequence[float], *, stability: float = 1.0, budget: int = 40,
                        sigma: float = 0.1, bounds: tuple[float, float] = (0.0, 2.0),
@@ -207,8 +213,7 @@ def cmaes_coefficients(objective: Callable[[np.ndarray], float], start: Sequence
     anc = np.asarray(anchor, dtype=float)
 
     def penalised(x: np.ndarray) -> float:
-        pen = float(np.sum((x[: len(anc)] - anc) ** 2)) if len(anc) else 0.0
-        return float(objective(np.asarray(x, dtype=float))) + stability * pen
+        return float(objective(np.asarray(x, dtype=float))) + stability * stability_penalty(x, anc)
 
     best_x, best_f = x0.copy(), penalised(x0)
     evals = 1
