@@ -514,19 +514,9 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     # every policy on the file order first, then the shuffles (an interrupted run keeps the former)
     for seed, order in rng_orders:
-        order_pols = list(pols)
-        if ri_wanted:
-            names = [p for p in ri_wanted if p != "best"]
-            if "best" in ri_wanted:
-                cands = [r for r in runs if r["order_seed"] is None and not r["variant"]
-                         and r["policy"] not in ("task_arithmetic", "ties")]
-                if seed is None or not cands:
-                    pass  # decided after the file order's plain rows (below)
-                else:
-                    names.append(max(cands, key=lambda r: r["final"]["H"])["policy"])
-            order_pols += [("__ri__", n, {}) for n in names]
-            if "best" in ri_wanted and seed is None:
-                order_pols.append(("__ri__", "best", {}))
+        # +ri rows come after the plain rows of each order; the file order runs first, so "best"
+        # (the best other policy by H on the file order) is known when its +ri row is reached
+        order_pols = list(pols) + [("__ri__", n, {}) for n in ri_wanted]
         for pol, var, params in order_pols:
             use_ri = pol == "__ri__"
             if use_ri:

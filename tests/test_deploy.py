@@ -93,6 +93,16 @@ def http_json(url: str, timeout: float = 5) -> dict:
         return json.loads(r.read().decode())
 
 
+def wait_http_ok(proc: subprocess.Popen, url: str, log: Path, timeout: float, msg: str) -> None:
+    """Wait until ``url`` answers 200; fail at once (with the log's tail) if ``proc`` exits."""
+    def ok():
+        if proc.poll() is not None:
+            raise AssertionError(f"{msg}: the process exited: {log.read_text()[-3000:]}")
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    wait_for(ok, timeout, msg)
+
+
 def wait_for(cond, timeout: float, msg: str, every: float = 0.25):
     end = time.monotonic() + timeout
     last = None
@@ -636,12 +646,7 @@ def run_prometheus(root: Path, daemon_port: int):
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        def ready():
-            if proc.poll() is not None:
-                raise AssertionError(f"prometheus exited: {(root / 'prometheus.log').read_text()[-3000:]}")
-            with urllib.request.urlopen(f"{url}/-/ready", timeout=2) as r:
-                return r.status == 200
-        wait_for(ready, 60, "prometheus never became ready")
+        wait_http_ok(proc, f"{url}/-/ready", root / "prometheus.log", 60, "prometheus never became ready")
         yield url
     finally:
         if proc.poll() is None:
@@ -782,12 +787,7 @@ def test_compose_mlflow_command_serves_the_daemons_host(tmp_path):
             return e.code
 
     try:
-        def healthy():
-            if proc.poll() is not None:
-                raise AssertionError(f"mlflow exited: {(tmp_path / 'mlflow.log').read_text()[-3000:]}")
-            with urllib.request.urlopen(f"{base}/health", timeout=2) as r:
-                return r.status == 200
-        wait_for(healthy, 120, "mlflow server never became healthy")
+        wait_http_ok(proc, f"{base}/health", tmp_path / "mlflow.log", 120, "mlflow server never became healthy")
         daemon_host = urllib.parse.urlsplit(load_config(DEPLOY / "config.yaml").tracking_uri()).netloc
         assert call(daemon_host) == 200, (tmp_path / "mlflow.log").read_text()[-3000:]
         assert call(f"localhost:{port}") == 200
