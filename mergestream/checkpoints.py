@@ -1,46 +1,40 @@
-"""Read checkpoints lazily and write them atomically, one tensor at a time.
+"""Read checkpoints lazily, one tensor (or one byte range) at a time, and validate them.
 
 Readers
     :func:`open_checkpoint` opens a dense checkpoint: a single ``.safetensors`` file, a Hugging Face
     model folder (single file or sharded with ``model.safetensors.index.json``), or a legacy
-    ``.bin``/``.pt`` file (only through ``torch.load(weights_only=True)``). Tensors are read with
-    safetensors' ``pread`` backend, so a tensor that has been used and dropped leaves no resident
-    pages behind: peak RSS stays at a few tensors whatever the model size.
+    ``.bin``/``.pt`` file (only through ``torch.load(weights_only=True)``). Safetensors headers are
+    parsed by :mod:`mergestream.st` (a truncated file is refused at open) and tensors are read with
+    positional reads into memory the caller owns, so a tensor that has been used and dropped leaves
+    no resident pages behind: peak RSS stays at a few tensors whatever the model size.
     :func:`open_expert` also accepts a PEFT LoRA adapter folder and presents it as task vectors
-    ``τ = scaling · B @ A`` per target weight.
-
-Writers
-    :class:`ModelWriter` writes a sharded safetensors model whose header is computed up front from
-    the known shapes, then streams each tensor into place with ``os.pwrite`` (no shard is ever
-    buffered). :class:`SpoolWriter` writes a single safetensors file whose shapes are only known as
-    they are produced (policy state). :func:`staged_output` gives a sibling temporary folder that is
-    renamed into place on success and removed on failure, so a crash never leaves a half model.
+    ``τ = scaling · B @ A`` per target weight. :func:`content_sha256` is the one content hash of an
+    expert (the ledger's, the manifest's, the output metadata's).
 
 Validation
-    :func:`validate_against_base` checks keys, shapes, dtypes, frozen integer tensors and (for
-    experts) finiteness before any heavy work, raising the specific errors of :mod:`mergestream.errors`.
+    :func:`validate_against_base` checks keys, shapes and dtypes from the headers before any heavy
+    work, and (``deep``) frozen integer tensors and finiteness, raising the specific errors of
+    :mod:`mergestream.errors`. The engine does the deep checks on its own single pass instead.
+
+Writers live in :mod:`mergestream.writers`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
 import math
 import os
 import re
-import shutil
-import tempfile
 import threading
-import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import torch
-from safetensors import SafetensorError, safe_open
+
+from . import st
 
 from .errors import (
     CorruptCheckpointError,
@@ -50,7 +44,6 @@ from .errors import (
     MissingKeyError,
     MissingShardError,
     NonFiniteError,
-    OutputExistsError,
     ShapeMismatchError,
     UnsupportedCheckpointError,
     VocabularyGrownError,
@@ -128,26 +121,35 @@ def _wrap_open_error(path: Path, exc: Exception) -> CorruptCheckpointError:
     return CorruptCheckpointError(f"{path}: unreadable or truncated safetensors file ({exc})")
 
 
+#: bytes per read when hashing a whole checkpoint (one reused buffer)
+_HASH_CHUNK = 16 * 1024 * 1024
+
+
 class Checkpoint:
     """A dense checkpoint opened lazily: tensor names, shapes and dtypes up front, data on demand.
 
-    Use :func:`open_checkpoint` to build one. Thread-safe for concurrent :meth:`get` calls.
+    Safetensors files are read with positional reads (``os.preadv``) straight into the memory the
+    caller gets (or supplies, see :meth:`read_into`), so a tensor that has been used and dropped
+    leaves no resident pages behind: peak RSS stays at a few tensors whatever the model size.
+    Use :func:`open_checkpoint` to build one. Thread-safe for concurrent reads.
 
     Attributes:
         path: what the user named (file or folder).
         weight_files: the files holding tensor data, in a stable order.
     """
 
-    def __init__(self, path: Path, files: dict[str, Path], metas: dict[str, TensorMeta],
-                 handles: dict[Path, object], legacy: dict[str, torch.Tensor] | None = None,
-                 metadata: dict[str, str] | None = None):
+    def __init__(self, path: Path, metas: dict[str, TensorMeta], *, entries: dict[str, st.TensorEntry] | None = None,
+                 legacy: dict[str, torch.Tensor] | None = None, metadata: dict[str, str] | None = None,
+                 files: list[Path] | None = None):
         self.path = path
-        self._files = files
         self._metas = metas
-        self._handles = handles
+        self._entries = entries
         self._legacy = legacy
         self._metadata = metadata or {}
-        self.weight_files: list[Path] = sorted(set(files.values()), key=lambda p: p.name)
+        found = files if files is not None else [e.file for e in (entries or {}).values()]
+        self.weight_files: list[Path] = sorted(set(found), key=lambda p: p.name)
+        self._fds: dict[Path, int] = {}
+        self._lock = threading.Lock()
         self._sha256: str | None = None
 
     # -- mapping-like surface ---------------------------------------------------------------
@@ -170,35 +172,86 @@ class Checkpoint:
         """Total bytes of tensor data."""
         return sum(m.nbytes for m in self._metas.values())
 
+    @property
+    def raw(self) -> bool:
+        """True when tensors are read as raw bytes from safetensors files (not a legacy pickle)."""
+        return self._entries is not None
+
     def metadata(self) -> dict[str, str]:
         """The string metadata (``__metadata__``) of the first weight file."""
         return dict(self._metadata)
 
+    def _fd(self, f: Path) -> int:
+        fd = self._fds.get(f)
+        if fd is None:
+            with self._lock:
+                fd = self._fds.get(f)
+                if fd is None:
+                    fd = self._fds[f] = os.open(f, os.O_RDONLY)
+        return fd
+
+    def read_into(self, name: str, out: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Read ``out.numel()`` bytes of tensor ``name``'s stored data, from byte ``start``, into ``out``.
+
+        Args:
+            out: a contiguous CPU ``uint8`` tensor (e.g. a reused buffer).
+            start: byte offset inside the tensor's data (for reading a tensor in chunks).
+
+        Returns:
+            ``out``. Raises CorruptCheckpointError if the file ends early, ValueError past the end.
+        """
+        nbytes = out.numel()
+        if self._entries is None:
+            flat = self._legacy[name].contiguous().reshape(-1).view(torch.uint8)
+            out.copy_(flat[start:start + nbytes])
+            return out
+        e = self._entries[name]
+        if start + nbytes > e.nbytes:
+            raise ValueError(f"{name}: read of bytes [{start}, {start + nbytes}) past {e.nbytes}")
+        try:
+            st.pread_into(self._fd(e.file), out.numpy(), e.offset + start, str(e.file))
+        except (st.FormatError, OSError) as exc:
+            raise _wrap_open_error(e.file, exc) from exc
+        return out
+
     def get(self, name: str) -> torch.Tensor:
-        """Read one tensor into fresh memory (CPU, stored dtype and shape).
+        """Read one tensor into fresh memory (CPU, stored dtype and shape), never shared with others.
 
         Raises:
             KeyError: ``name`` is not in the checkpoint.
             CorruptCheckpointError: the file cannot be read.
         """
+        m = self._metas[name]
         if self._legacy is not None:
-            return self._legacy[name]
-        path = self._files[name]
-        try:
-            return self._handles[path].get_tensor(name)
-        except SafetensorError as exc:  # pragma: no cover - truncated after open
-            raise _wrap_open_error(path, exc) from exc
+            # a clone: legacy state dicts may tie several names to one storage, and callers
+            # compute in place in what they get
+            return self._legacy[name].clone()
+        buf = self.read_into(name, torch.empty(m.nbytes, dtype=torch.uint8))
+        return buf.view(m.dtype).reshape(m.shape)
+
+    def entry(self, name: str) -> st.TensorEntry:
+        """Where ``name``'s raw bytes live (file, offset, nbytes, dtype code); raw checkpoints only."""
+        if self._entries is None:
+            raise UnsupportedCheckpointError(f"{self.path}: a legacy checkpoint has no raw entries")
+        return self._entries[name]
 
     def sha256(self) -> str:
-        """Content hash: sha256 over the weight files' bytes, in name order (cached)."""
+        """The content hash (cached): the weights hash of :mod:`mergestream.st` for safetensors
+        checkpoints; for a legacy pickle, sha256 of its file bytes (see :func:`content_sha256`)."""
         if self._sha256 is None:
-            h = hashlib.sha256()
-            for f in self.weight_files:
-                h.update(f.name.encode())
-                with open(f, "rb") as fh:
-                    while chunk := fh.read(16 * 1024 * 1024):
-                        h.update(chunk)
-            self._sha256 = h.hexdigest()
+            if self._entries is None:
+                self._sha256 = file_sha256(self.weight_files)
+            else:
+                h = st.WeightsHash(len(self._entries))
+                buf = torch.empty(min(_HASH_CHUNK, max((e.nbytes for e in self._entries.values()), default=0)),
+                                  dtype=torch.uint8)
+                for name in st.name_order(self._entries):
+                    e = self._entries[name]
+                    h.begin(e)
+                    for off in range(0, e.nbytes, _HASH_CHUNK):
+                        n = min(_HASH_CHUNK, e.nbytes - off)
+                        h.data(self.read_into(name, buf[:n], off).numpy())
+                self._sha256 = h.hexdigest()
         return self._sha256
 
     def aux_files(self) -> list[Path]:
@@ -214,7 +267,10 @@ class Checkpoint:
         return out
 
     def close(self) -> None:
-        self._handles.clear()
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
 
     def __enter__(self) -> Checkpoint:
         return self
@@ -226,33 +282,42 @@ class Checkpoint:
         return f"Checkpoint({str(self.path)!r}, tensors={len(self._metas)}, bytes={self.nbytes})"
 
 
+def file_sha256(files: list[Path]) -> str:
+    """sha256 over files' bytes in the given order (the content hash of what does not parse as
+    safetensors: legacy pickles, corrupt files)."""
+    h = hashlib.sha256(b"mergestream-file-sha256/1\x00")
+    for f in files:
+        with open(f, "rb") as fh:
+            while chunk := fh.read(_HASH_CHUNK):
+                h.update(chunk)
+    return h.hexdigest()
+
+
 def _open_safetensors_files(path: Path, weight_map: dict[str, Path] | None,
                             files: list[Path]) -> Checkpoint:
-    handles: dict[Path, object] = {}
     metas: dict[str, TensorMeta] = {}
-    tensor_files: dict[str, Path] = {}
+    entries: dict[str, st.TensorEntry] = {}
     metadata: dict[str, str] | None = None
     for f in files:
         try:
-            h = safe_open(str(f), framework="pt", backend="pread")
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise _wrap_open_error(f, exc) from exc
-        handles[f] = h
+            hdr = st.read_header(f)
+        except st.FormatError as exc:
+            raise CorruptCheckpointError(f"{f}: unreadable or truncated safetensors file ({exc})") from exc
         if metadata is None:
-            metadata = h.metadata() or {}
-        for k in h.keys():
-            sl = h.get_slice(k)
-            st_dtype = sl.get_dtype()
-            if st_dtype not in ST_TO_TORCH:
-                raise UnsupportedCheckpointError(f"{f}: tensor {k!r} has unsupported dtype {st_dtype}")
-            metas[k] = TensorMeta(k, tuple(sl.get_shape()), ST_TO_TORCH[st_dtype])
-            tensor_files[k] = f
+            metadata = hdr.metadata
+        for e in hdr.entries:  # file (offset) order
+            if e.dtype not in ST_TO_TORCH:
+                raise UnsupportedCheckpointError(f"{f}: tensor {e.name!r} has unsupported dtype {e.dtype}")
+            if e.name in entries:
+                raise CorruptCheckpointError(f"{path}: tensor {e.name!r} is in both {entries[e.name].file.name} and {f.name}")
+            metas[e.name] = TensorMeta(e.name, e.shape, ST_TO_TORCH[e.dtype])
+            entries[e.name] = e
     if weight_map is not None:
         for k, f in weight_map.items():
-            if tensor_files.get(k) != f:
+            if k not in entries or entries[k].file != f:
                 raise CorruptCheckpointError(
                     f"{path}: index names tensor {k!r} in {f.name}, but that shard does not hold it")
-    return Checkpoint(path, tensor_files, metas, handles, metadata=metadata)
+    return Checkpoint(path, metas, entries=entries, metadata=metadata, files=list(files))
 
 
 def open_safetensors_file(path: str | os.PathLike) -> Checkpoint:
@@ -273,7 +338,7 @@ def _open_legacy(path: Path) -> Checkpoint:
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
         raise UnsupportedCheckpointError(f"{path}: not a flat state dict of tensors")
     metas = {k: TensorMeta(k, tuple(v.shape), v.dtype) for k, v in sd.items()}
-    return Checkpoint(path, {k: path for k in sd}, metas, {}, legacy=dict(sd))
+    return Checkpoint(path, metas, legacy=dict(sd), files=[path])
 
 
 def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
@@ -519,11 +584,9 @@ class LoraExpert:
         return delta
 
     def sha256(self) -> str:
+        """The adapter's content hash (:func:`content_sha256`)."""
         if self._sha is None:
-            h = hashlib.sha256()
-            h.update((self.path / "adapter_config.json").read_bytes())
-            h.update(bytes.fromhex(self._ckpt.sha256()))
-            self._sha = h.hexdigest()
+            self._sha = content_sha256(self.path)
         return self._sha
 
     def close(self) -> None:
@@ -542,6 +605,34 @@ def open_expert(path: str | os.PathLike, base: Checkpoint) -> DenseExpert | Lora
     return DenseExpert(open_checkpoint(path))
 
 
+def content_sha256(path: str | os.PathLike) -> str:
+    """The one content hash of an expert (64 hex characters), whatever its form.
+
+    - a dense safetensors checkpoint (file, folder, sharded): the weights hash of
+      :mod:`mergestream.st` (independent of file names, sharding, header layout and metadata);
+    - a PEFT LoRA adapter folder: sha256 of a tag, ``adapter_config.json``'s bytes and the
+      adapter weights' content hash;
+    - anything else (legacy pickle, a file that does not parse): sha256 of a tag and the bytes of
+      its files (a folder's files in relative-name order, a ``READY`` marker excluded), so a corrupt
+      expert still gets one stable identity.
+
+    The engine computes the same value for a dense expert on the fold's own pass.
+    """
+    p = Path(path)
+    try:
+        if is_lora_adapter(p):
+            cfg = (p / "adapter_config.json").read_bytes()
+            weights = p / "adapter_model.safetensors"
+            inner = content_sha256(weights if weights.is_file() else p / "adapter_model.bin")
+            return hashlib.sha256(b"mergestream-adapter-sha256/1\x00" + cfg + bytes.fromhex(inner)).hexdigest()
+        with open_checkpoint(p) as ck:
+            return ck.sha256()
+    except (CorruptCheckpointError, UnsupportedCheckpointError, MissingShardError, FileNotFoundError, OSError):
+        pass
+    files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file() and f.name != "READY")
+    return file_sha256(files)
+
+
 def default_expert_id(path: str | os.PathLike) -> str:
     """``e2.safetensors`` -> ``e2``; a folder -> its name."""
     p = Path(path)
@@ -556,11 +647,13 @@ def default_expert_id(path: str | os.PathLike) -> str:
 # Validation
 # ------------------------------------------------------------------------------------------
 def validate_against_base(base: Checkpoint, other: Checkpoint | DenseExpert | LoraExpert, *,
-                          role: str = "expert", check_finite: bool = True) -> None:
+                          role: str = "expert", check_finite: bool = True, deep: bool = True) -> None:
     """Check that ``other`` fits θ₀ before any heavy work.
 
-    Order of checks: key sets, then per tensor shape, dtype; then a streaming pass that compares
-    integer/bool tensors with θ₀ bit for bit and (``check_finite``) rejects NaN/±Inf.
+    Order of checks: key sets, then per tensor shape, dtype (headers only); then, with ``deep``, a
+    streaming pass that compares integer/bool tensors with θ₀ bit for bit and (``check_finite``)
+    rejects NaN/±Inf. The engine passes ``deep=False`` and does those checks on its own pass
+    (:func:`check_frozen`, :func:`check_finite_tensor`), so an expert is read once per fold.
 
     Raises:
         MissingKeyError, ExtraKeyError, ShapeMismatchError, VocabularyGrownError,
@@ -616,18 +709,38 @@ def validate_against_base(base: Checkpoint, other: Checkpoint | DenseExpert | Lo
         if b.dtype != o.dtype:
             raise DtypeMismatchError(
                 f"tensor {name}: dtype {o.dtype} in {role} {where} vs {b.dtype} in base {base.path}")
+    if not deep:
+        return
     reader = other.ckpt if isinstance(other, DenseExpert) else other
     for name in base.keys():
         dtype = base.meta(name).dtype
         if not is_float_dtype(dtype):
-            if not torch.equal(reader.get(name), base.get(name)):
-                raise FrozenTensorMismatchError(
-                    f"tensor {name} ({dtype}) differs between {role} {where} and base {base.path}; "
-                    "integer/bool tensors are never merged and must equal the base")
+            check_frozen(name, reader.get(name), base.get(name), f"{role} {where}", base.path)
         elif check_finite:
-            bad = count_non_finite(reader.get(name))
-            if bad:
-                raise NonFiniteError(f"tensor {name}: {role} {where} holds {bad} NaN/Inf value(s)")
+            check_finite_tensor(name, reader.get(name), f"{role} {where}")
+
+
+def check_frozen(name: str, got: torch.Tensor, want: torch.Tensor, where: str, base_path: Path) -> None:
+    """Raise FrozenTensorMismatchError unless integer/bool tensor ``got`` equals θ₀'s bit for bit."""
+    if not torch.equal(got, want):
+        raise FrozenTensorMismatchError(
+            f"tensor {name} ({want.dtype}) differs between {where} and base {base_path}; "
+            "integer/bool tensors are never merged and must equal the base")
+
+
+def check_finite_tensor(name: str, t: torch.Tensor, where: str) -> None:
+    """Raise NonFiniteError if float tensor ``t`` holds NaN/±Inf.
+
+    Fast path: one float32 reduction (NaN and ±Inf propagate through a sum); only when the sum is
+    not finite (which finite values can also cause, by overflow) are entries counted in chunks.
+    """
+    if not t.is_floating_point() or t.numel() == 0:
+        return
+    if bool(torch.isfinite(t.sum(dtype=torch.float32))):
+        return
+    bad = count_non_finite(t)
+    if bad:
+        raise NonFiniteError(f"tensor {name}: {where} holds {bad} NaN/Inf value(s)")
 
 
 def tied_groups(ckpt: Checkpoint) -> dict[str, str]:
@@ -648,207 +761,6 @@ def tied_groups(ckpt: Checkpoint) -> dict[str, str]:
             if h.shape == e.shape and h.dtype == e.dtype and torch.equal(ckpt.get(h.name), ckpt.get(e.name)):
                 out[h.name] = e.name
     return out
-
-
-# ------------------------------------------------------------------------------------------
-# Writers
-# ------------------------------------------------------------------------------------------
-def _header_bytes(entries: list[tuple[str, tuple[int, ...], torch.dtype, int, int]],
-                  metadata: dict[str, str] | None) -> bytes:
-    header: dict[str, object] = {}
-    if metadata:
-        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-    for name, shape, dtype, start, end in entries:
-        header[name] = {"dtype": TORCH_TO_ST[dtype], "shape": list(shape), "data_offsets": [start, end]}
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the format aligns tensor data on 8 bytes
-    return len(raw).to_bytes(8, "little") + raw
-
-
-def _tensor_bytes(t: torch.Tensor) -> memoryview:
-    t = t.detach().contiguous().cpu()
-    return memoryview(t.view(torch.uint8).numpy()).cast("B") if t.numel() else memoryview(b"")
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    while len(data):
-        n = os.pwrite(fd, data, offset)
-        data, offset = data[n:], offset + n
-
-
-class ModelWriter:
-    """Write a (sharded) safetensors model whose tensors' shapes and dtypes are known in advance.
-
-    Shards are planned at construction (greedy, in the given order, at most ``max_shard_bytes`` of
-    tensor data each); every shard's header is written immediately, and :meth:`write` puts a
-    tensor's bytes at its final offset with ``os.pwrite``, so tensors may arrive in any order (e.g.
-    from a thread pool) and nothing is buffered. One shard: ``{prefix}.safetensors``; several:
-    ``{prefix}-0000i-of-0000n.safetensors`` plus ``{prefix}.safetensors.index.json``.
-
-    Args:
-        folder: an existing (staging) folder.
-        metas: every tensor to be written, in file order.
-        metadata: string metadata stored in every shard's header.
-        max_shard_bytes: byte cap of tensor data per shard (a larger single tensor gets its own shard).
-
-    Raises:
-        KeyError/ValueError from :meth:`write` for an unplanned tensor or a wrong shape/dtype;
-        RuntimeError from :meth:`close` if a planned tensor was never written.
-    """
-
-    def __init__(self, folder: Path, metas: list[TensorMeta], metadata: dict[str, str] | None = None,
-                 max_shard_bytes: int = DEFAULT_SHARD_BYTES, prefix: str = "model"):
-        self.folder = Path(folder)
-        shards: list[list[TensorMeta]] = [[]]
-        size = 0
-        for m in metas:
-            if shards[-1] and size + m.nbytes > max_shard_bytes:
-                shards.append([])
-                size = 0
-            shards[-1].append(m)
-            size += m.nbytes
-        n = len(shards)
-        self.files: list[Path] = []
-        self._where: dict[str, tuple[int, int, TensorMeta]] = {}
-        self._fds: list[int] = []
-        for i, group in enumerate(shards):
-            fname = f"{prefix}.safetensors" if n == 1 else f"{prefix}-{i + 1:05d}-of-{n:05d}.safetensors"
-            entries, off = [], 0
-            for m in group:
-                entries.append((m.name, m.shape, m.dtype, off, off + m.nbytes))
-                off += m.nbytes
-            head = _header_bytes(entries, metadata)
-            path = self.folder / fname
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            _pwrite_all(fd, memoryview(head), 0)
-            os.ftruncate(fd, len(head) + off)
-            for name, _, _, start, _ in entries:
-                self._where[name] = (len(self._fds), len(head) + start, self._meta(group, name))
-            self._fds.append(fd)
-            self.files.append(path)
-        self._pending = set(self._where)
-        self._lock = threading.Lock()
-        self.bytes_written = 0
-        if n > 1:
-            weight_map = {m.name: self.files[i].name for i, g in enumerate(shards) for m in g}
-            total = sum(m.nbytes for m in metas)
-            index = {"metadata": {"total_size": total, **(metadata or {})}, "weight_map": weight_map}
-            (self.folder / f"{prefix}.safetensors.index.json").write_text(json.dumps(index, indent=2))
-
-    @staticmethod
-    def _meta(group: list[TensorMeta], name: str) -> TensorMeta:
-        return next(m for m in group if m.name == name)
-
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        """Write one planned tensor (must match the planned shape and dtype exactly)."""
-        shard, offset, meta = self._where[name]
-        if tuple(tensor.shape) != meta.shape or tensor.dtype != meta.dtype:
-            raise ValueError(f"{name}: got {tuple(tensor.shape)} {tensor.dtype}, planned {meta.shape} {meta.dtype}")
-        data = _tensor_bytes(tensor)
-        _pwrite_all(self._fds[shard], data, offset)
-        with self._lock:  # write() is called from worker threads
-            self.bytes_written += len(data)
-            self._pending.discard(name)
-
-    def close(self) -> None:
-        """fsync and close every shard; raises RuntimeError if a planned tensor is missing."""
-        for fd in self._fds:
-            os.fsync(fd)
-            os.close(fd)
-        self._fds = []
-        if self._pending:
-            raise RuntimeError(f"tensors planned but never written: {sorted(self._pending)[:5]}")
-
-    def abort(self) -> None:
-        for fd in self._fds:
-            os.close(fd)
-        self._fds = []
-
-
-class SpoolWriter:
-    """Write one safetensors file whose tensors are only known as they are produced.
-
-    Tensor bytes are appended to a spool file next to the target; :meth:`close` writes the header
-    and copies the spool after it in chunks, so memory stays at one chunk. Used for policy state.
-    """
-
-    def __init__(self, path: Path, metadata: dict[str, str] | None = None):
-        self.path = Path(path)
-        self._metadata = metadata
-        self._spool = open(self.path.with_name(self.path.name + ".spool"), "w+b")
-        self._entries: list[tuple[str, tuple[int, ...], torch.dtype, int, int]] = []
-        self._offset = 0
-
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        data = _tensor_bytes(tensor)
-        self._spool.write(data)
-        self._entries.append((name, tuple(tensor.shape), tensor.dtype, self._offset, self._offset + len(data)))
-        self._offset += len(data)
-
-    def close(self) -> None:
-        self._spool.flush()
-        self._spool.seek(0)
-        with open(self.path, "wb") as out:
-            out.write(_header_bytes(self._entries, self._metadata))
-            shutil.copyfileobj(self._spool, out, 16 * 1024 * 1024)
-            out.flush()
-            os.fsync(out.fileno())
-        self._spool.close()
-        os.unlink(self._spool.name)
-
-    def abort(self) -> None:
-        self._spool.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._spool.name)
-
-
-def fsync_dir(path: Path) -> None:
-    """fsync a directory so that renames inside it are durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-@contextlib.contextmanager
-def staged_output(out: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a sibling temporary folder; rename it to ``out`` on success, delete it on error.
-
-    Raises:
-        OutputExistsError: ``out`` exists and ``overwrite`` is False (checked before any work).
-    """
-    out = Path(out)
-    if out.exists() and not overwrite:
-        raise OutputExistsError(f"{out} already exists; choose a new output path")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(stage, 0o777 & ~umask)  # mkdtemp makes 0700; outputs get the usual folder mode
-    try:
-        yield stage
-        fsync_dir(stage)
-        if out.exists() and overwrite:
-            trash = out.with_name(f".{out.name}.old-{uuid.uuid4().hex[:8]}")
-            os.rename(out, trash)
-            os.rename(stage, out)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.rename(stage, out)
-        fsync_dir(out.parent)
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        raise
-
-
-def copy_aux_files(src: Checkpoint, dest: Path) -> list[str]:
-    """Copy the base's non-weight files (config.json, tokenizer files, ...) into ``dest``."""
-    copied = []
-    for f in src.aux_files():
-        shutil.copy2(f, dest / f.name)
-        copied.append(f.name)
-    return copied
 
 
 def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:

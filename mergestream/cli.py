@@ -58,8 +58,9 @@ def _load_entry_point(spec: str):
 def _engine_options(fn):
     fn = click.option("--device", default="cpu", show_default=True,
                       help="where the math runs: cpu, cuda, cuda:1 (tensors stream from CPU)")(fn)
-    fn = click.option("--threads", default=1, show_default=True, type=click.IntRange(1),
-                      help="worker threads for the per-tensor map (memory grows with it)")(fn)
+    fn = click.option("--threads", default=0, show_default="0: auto, the usable cores up to 4", type=click.IntRange(0),
+                      help="worker threads for the per-tensor map (memory grows by a few tensors per thread)")(fn)
+    fn = click.option("--quiet", "-q", is_flag=True, help="no progress bar (it is shown only on a terminal anyway)")(fn)
     fn = click.option("--max-shard-size", "max_shard_bytes", default=5 * 1024**3, show_default=True,
                       type=click.IntRange(1), help="output shard cap in bytes")(fn)
     return fn
@@ -87,14 +88,14 @@ def cli(verbose: int) -> None:
 @_engine_options
 @_fail_cleanly
 def fold_cmd(base, backbone, expert, policy, sets, state_dir, out, expert_id, objective, as_json,
-             device, threads, max_shard_bytes) -> None:
+             device, threads, quiet, max_shard_bytes) -> None:
     """Fold one expert into the backbone with a policy."""
     from .engine import fold
 
     obj = _load_entry_point(objective) if objective else None
     rep = fold(base, backbone, expert, policy, _parse_sets(sets), state_dir=state_dir, out=out,
                expert_id=expert_id, device=device, threads=threads, max_shard_bytes=max_shard_bytes,
-               objective=obj)
+               objective=obj, progress=not quiet and not as_json)
     _report(rep, as_json)
 
 
@@ -107,12 +108,12 @@ def fold_cmd(base, backbone, expert, policy, sets, state_dir, out, expert_id, ob
 @click.argument("experts", nargs=-1, required=True, type=click.Path())
 @_engine_options
 @_fail_cleanly
-def merge_cmd(base, policy, sets, out, as_json, experts, device, threads, max_shard_bytes) -> None:
+def merge_cmd(base, policy, sets, out, as_json, experts, device, threads, quiet, max_shard_bytes) -> None:
     """Merge K experts at once (offline)."""
     from .engine import merge
 
     rep = merge(base, list(experts), policy, _parse_sets(sets), out=out, device=device, threads=threads,
-                max_shard_bytes=max_shard_bytes)
+                max_shard_bytes=max_shard_bytes, progress=not quiet and not as_json)
     _report(rep, as_json)
 
 
@@ -129,7 +130,7 @@ def merge_cmd(base, policy, sets, out, as_json, experts, device, threads, max_sh
 @_engine_options
 @_fail_cleanly
 def unmerge_cmd(expert, config_path, state_dir, expert_id, mode, out, backbone, base, as_json, device, threads,
-                max_shard_bytes) -> None:
+                quiet, max_shard_bytes) -> None:
     """Remove an expert.
 
     \b
@@ -148,7 +149,7 @@ def unmerge_cmd(expert, config_path, state_dir, expert_id, mode, out, backbone, 
 
     removed = expert_id or expert
     rep = unmerge(state_dir, removed, mode, out=out, backbone=backbone, base=base, device=device,
-                  threads=threads, max_shard_bytes=max_shard_bytes)
+                  threads=threads, max_shard_bytes=max_shard_bytes, progress=not quiet and not as_json)
     if as_json:
         _report(rep, True)
     else:

@@ -1,13 +1,17 @@
-"""The streaming fold: tensor by tensor, bounded memory, calls the policy.
+"""The fold, the offline merge and the unmerge, on the one streaming skeleton of :mod:`.stream`.
 
-For each tensor the engine reads θ₀, θ_{t−1} and the expert's τ (float32 for the math), asks the
-policy for Δ_t, writes cast(θ_{t−1} + Δ_t) into a staged output, the fold's float32 contribution
-Δ_t into the state folder (for subtract-unmerge) and the policy's per-tensor state. Peak memory is
-a few tensors (times the number of worker threads), never the model. Integer/bool tensors are
-copied from θ₀; tensors tied in θ₀ (embeddings and LM head) are written as one.
+For each tensor the engine reads θ₀, θ_{t−1} and the expert (float32 for the math), asks the
+policy for Δ_t, and writes cast(θ_{t−1} + Δ_t) into a staged output, the policy's per-tensor state,
+and what subtract-unmerge needs (:mod:`.residuals`). The expert is read once per fold: its content
+hash, the finiteness check and the frozen-tensor comparison ride on the same pass (headers are
+checked before any data is read). Peak memory is a few tensors per worker thread, never the
+model; Task Arithmetic (a :meth:`~mergestream.policies.Policy.linear_scale` policy) folds in
+chunks of each tensor. Integer/bool tensors are copied from θ₀; tensors tied in θ₀ (embeddings
+and LM head) are written as one.
 
 Public entry points: :func:`fold`, :func:`merge` (offline, K experts), :func:`unmerge`
-(``subtract`` or ``replay``), :func:`task_vector_stats` and :func:`describe` (for ``inspect``).
+(``subtract`` or ``replay``); :func:`task_vector_stats` and :func:`describe` (for ``inspect``)
+live in :mod:`.inspection` and are re-exported here.
 """
 
 from __future__ import annotations
@@ -20,9 +24,7 @@ import tempfile
 import threading
 import time
 import zlib
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,30 +32,33 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import residuals
 from ._alloc import pin_mmap_threshold
 from .checkpoints import (
     DEFAULT_SHARD_BYTES,
     Checkpoint,
-    ModelWriter,
-    SpoolWriter,
-    TensorMeta,
-    copy_aux_files,
-    count_non_finite,
+    DenseExpert,
+    check_finite_tensor,
+    check_frozen,
     default_expert_id,
     is_embedding_name,
     is_float_dtype,
     open_checkpoint,
     open_expert,
     open_safetensors_file,
-    staged_output,
     tied_groups,
     validate_against_base,
 )
-from .errors import MergestreamError, NonFiniteError, OutputExistsError, PolicyError, StateError
+from .errors import CorruptCheckpointError, MergestreamError, NonFiniteError, OutputExistsError, PolicyError, StateError
+from .inspection import _device, describe, task_vector_stats
 from .policies import Policy, TensorContext, cmaes_coefficients, make_policy, stability_penalty
 from .state import SEP, FoldRecord, Manifest, StateDir, final_name
+from .stream import ExpertReader, Progress, default_threads, run_stream
+from .writers import AppendWriter, ModelWriter, copy_aux_files, staged_output
 
 log = logging.getLogger(__name__)
+
+__all__ = ["FoldReport", "fold", "merge", "unmerge", "resolve_device", "task_vector_stats", "describe"]
 
 #: objective(alphas, weights) -> loss; ``weights()`` streams (name, float32 tensor) of θ(α).
 Objective = Callable[[np.ndarray, Callable[[], Iterator[tuple[str, torch.Tensor]]]], float]
@@ -69,6 +74,7 @@ class FoldReport:
         coefficients: MDM-OC's α of every folded expert after this fold.
         search: for CMA-ES coefficients, ``{"evaluations", "objective_start", "objective"}`` (the
             penalised objective at the starting α and at the chosen α; lower is better).
+        sha256: the content hash of each expert read (computed on the fold's own pass).
     """
 
     out: str
@@ -81,6 +87,7 @@ class FoldReport:
     stats: dict[str, float] = field(default_factory=dict)
     coefficients: list[float] | None = None
     search: dict[str, float] | None = None
+    sha256: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -88,38 +95,20 @@ class FoldReport:
 
 def resolve_device(device: str | torch.device) -> torch.device:
     """Validate a math device (``cpu``, ``cuda``, ``cuda:1``); raises MergestreamError if unusable."""
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise MergestreamError(f"device {device!r} requested but CUDA is not available")
-    return dev
+    return _device(str(device))
+
+
+#: a same-length placeholder for a content hash known only at the end of the pass
+_NO_HASH = "0" * 64
 
 
 def _seed(name: str) -> int:
     return zlib.crc32(name.encode()) & 0x7FFFFFFF
 
 
-class _Pool:
-    """Run per-tensor jobs in order on ``threads`` workers with a bounded number in flight."""
-
-    def __init__(self, threads: int):
-        self.threads = max(1, threads)
-
-    def run(self, job: Callable[[str], None], names: Iterable[str]) -> None:
-        if self.threads == 1:
-            for n in names:
-                job(n)
-            return
-        with ThreadPoolExecutor(self.threads) as ex:
-            pending: deque[Future] = deque()
-            for n in names:
-                pending.append(ex.submit(job, n))
-                if len(pending) >= self.threads * 2:
-                    pending.popleft().result()
-            while pending:
-                pending.popleft().result()
-
-
 class _Stats:
+    """Policy statistics and bytes read, summed over tensors from worker threads."""
+
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.sums: dict[str, float] = {}
@@ -146,11 +135,13 @@ class _Stats:
         return out
 
 
-def _cast_checked(x: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
-    out = x.to(meta.dtype).cpu() if x.dtype != meta.dtype or x.device.type != "cpu" else x
-    if count_non_finite(out):
-        raise NonFiniteError(
-            f"tensor {meta.name}: the fold's result is not finite in {meta.dtype} (overflow?); nothing written")
+def _cast_checked(x: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
+    """``x`` cast to the storage dtype on the CPU; NonFiniteError if the cast overflowed."""
+    out = x.to(dtype) if x.dtype != dtype else x
+    out = out.cpu() if out.device.type != "cpu" else out
+    if out.is_floating_point() and out.numel() and not bool(torch.isfinite(out.sum(dtype=torch.float32))) \
+            and not bool(torch.isfinite(out).all()):
+        raise NonFiniteError(f"tensor {name}: the fold's result is not finite in {dtype} (overflow?); nothing written")
     return out
 
 
@@ -179,17 +170,56 @@ def _open_base_and_backbone(base: str | os.PathLike, backbone: str | os.PathLike
     if backbone is None or Path(backbone).resolve() == Path(base).resolve():
         return b, b
     cur = open_checkpoint(backbone)
-    validate_against_base(b, cur, role="backbone", check_finite=False)
+    validate_against_base(b, cur, role="backbone", check_finite=False, deep=False)
     return b, cur
+
+
+def _threads(threads: int | None) -> int:
+    return default_threads() if threads is None or threads <= 0 else threads
+
+
+class _ExpertLoader:
+    """The fold's loader: reads (and hashes) the expert in canonical order, checks frozen tensors.
+
+    ``load(name)`` returns ``(expert tensor or None, prev)`` for the worker, or None for a tensor
+    the worker skips (an alias tied in θ₀: written with its primary). LoRA experts have no dense
+    tensor to stream: the worker builds τ from the factors.
+    """
+
+    def __init__(self, exp, base: Checkpoint, aliases: dict[str, str], where: str):
+        self.dense = isinstance(exp, DenseExpert)
+        self.reader = ExpertReader(exp.ckpt) if self.dense else None
+        self.base = base
+        self.aliases = aliases
+        self.where = where
+        self.names = self.reader.order() if self.dense else [n for n in _order(base) if n not in aliases]
+
+    def load(self, name: str):
+        e = self.reader.read(name) if self.dense else None
+        if name in self.aliases:
+            return None
+        meta = self.base.meta(name)
+        if not is_float_dtype(meta.dtype):
+            want = self.base.get(name)
+            if e is not None:
+                check_frozen(name, e, want, self.where, self.base.path)
+            return ("frozen", want)
+        return ("float", e)
+
+
+def _order(ck: Checkpoint) -> list[str]:
+    from .st import name_order
+
+    return name_order(ck.keys())
 
 
 def fold(base: str | os.PathLike, backbone: str | os.PathLike | None, expert: str | os.PathLike,
          policy: str | Policy, params: dict[str, Any] | None = None, *, state_dir: str | os.PathLike,
-         out: str | os.PathLike, expert_id: str | None = None, device: str = "cpu", threads: int = 1,
+         out: str | os.PathLike, expert_id: str | None = None, device: str = "cpu", threads: int | None = 1,
          max_shard_bytes: int = DEFAULT_SHARD_BYTES, objective: Objective | None = None,
-         overwrite: bool = False, progress: bool = False,
+         overwrite: bool = False, progress: bool = False, expect_sha256: str | None = None,
          tensor_hook: Callable[[str], None] | None = None) -> FoldReport:
-    """Fold one expert into the backbone: θ_t = θ_{t−1} + Δ_t, tensor by tensor.
+    """Fold one expert into the backbone: θ_t = θ_{t−1} + Δ_t, tensor by tensor, reading it once.
 
     Args:
         base: θ₀ (file or folder). backbone: θ_{t−1}; None (or θ₀ itself) for the first fold.
@@ -199,19 +229,25 @@ def fold(base: str | os.PathLike, backbone: str | os.PathLike | None, expert: st
         out: output folder (must not exist unless ``overwrite``); staged and renamed into place.
         expert_id: defaults to :func:`~mergestream.checkpoints.default_expert_id`.
         device: where the math runs (``cpu`` or ``cuda[:i]``); tensors are streamed from CPU.
-        threads: worker threads for the per-tensor map (peak memory scales with it).
+        threads: worker threads (None or 0: :func:`~mergestream.stream.default_threads`); peak
+            memory grows by a few tensors per thread.
         max_shard_bytes: output shard cap (bytes).
-        objective: for ``mdm_oc`` with ``coefficients=cmaes``: objective(α, weights) -> loss.
-        tensor_hook: called with each tensor name before it is folded (tests, progress).
+        objective: for a policy that searches coefficients (``mdm_oc`` with ``coefficients=cmaes``).
+        progress: show a progress bar on a terminal.
+        expect_sha256: the content hash the caller recorded (the daemon's ledger); a fold whose
+            expert hashes differently (changed since) is refused before anything is committed.
+        tensor_hook: called with each tensor name before it is folded (tests, stop requests).
 
     Returns:
         :class:`FoldReport`.
 
     Raises:
-        ValidationError subclasses: the expert or backbone does not fit θ₀ (nothing written).
+        ValidationError subclasses: the expert or backbone does not fit θ₀ (nothing written, the
+            state unchanged, even when the bad tensor is the last one read).
         StateError: the state folder disagrees with the backbone or already holds the expert.
         PolicyError: unknown policy, bad parameters, or another policy than the state's.
         NonFiniteError: a result overflowed its dtype. OutputExistsError: ``out`` exists.
+        CorruptCheckpointError: the expert's content hash is not ``expect_sha256``.
     """
     pin_mmap_threshold()
     t0 = time.perf_counter()
@@ -228,101 +264,138 @@ def fold(base: str | os.PathLike, backbone: str | os.PathLike | None, expert: st
     if eid in man.ids():
         raise StateError(f"expert {eid!r} is already folded into this state; use another --id or unmerge it first")
     n_prev = len(man.folds)
-    cur_folds = 0 if cur is base_ck else int(cur.metadata().get("mergestream.n_folds", "-1"))
+    first = cur is base_ck
+    cur_folds = 0 if first else int(cur.metadata().get("mergestream.n_folds", "-1"))
     if cur_folds != n_prev:
         raise StateError(
             f"backbone {cur.path} holds {cur_folds if cur_folds >= 0 else 'an unknown number of'} fold(s) but state "
             f"{sd.path} records {n_prev}: pass the backbone produced by the last fold with this state")
     if man.base_tensors is not None and man.base_tensors != len(base_ck.keys()):
         raise StateError(f"state {sd.path} was built on another base ({man.base})")
+    if pol.searches_coefficients() and objective is None:
+        raise PolicyError("coefficients=cmaes needs an objective (--objective module:function)")
     exp = open_expert(expert, base_ck)
-    validate_against_base(base_ck, exp, role="expert")
-    rec = {"id": eid, "sha256": exp.sha256()}
-    records = [{"id": f.id, "sha256": f.sha256} for f in man.folds] + [rec]
+    try:
+        validate_against_base(base_ck, exp, role="expert", deep=False)
+        loader = _ExpertLoader(exp, base_ck, tied_groups(base_ck), f"expert {exp.path}")
+        return _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, dev, threads,
+                          max_shard_bytes, objective, overwrite, progress, expect_sha256, tensor_hook, t0)
+    finally:
+        exp.close()
+        base_ck.close()
+        cur.close()
+
+
+def _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, dev, threads, max_shard_bytes,
+               objective, overwrite, progress, expect_sha256, tensor_hook, t0) -> FoldReport:
+    first = cur is base_ck
+    n_prev = len(man.folds)
+    aliases = loader.aliases
+    metas = base_ck.metas()
     coeff = pol.coefficient()
     prev_coeffs = tuple(man.coefficients())
+    search = pol.searches_coefficients()
     store_contrib = not pol.contributions_in_state
-    metas = base_ck.metas()
-    aliases = tied_groups(base_ck)
-    float_metas = [TensorMeta(m.name, m.shape, torch.float32) for m in metas
-                   if is_float_dtype(m.dtype) and m.name not in aliases]
+    lin = pol.linear_scale() if loader.dense else None
     stats = _Stats()
     state_lock = threading.Lock()
-    new_files: list[Path] = []
     state_path = sd.new_file("state")
     contrib_path = sd.new_file("contrib", eid) if store_contrib else None
-    state_writer = SpoolWriter(state_path)
-    new_files.append(state_path)
-    contrib_writer = None
+    new_files: list[Path] = [state_path] + ([contrib_path] if contrib_path else [])
+    state_writer = AppendWriter(state_path, header_bytes=residuals.header_room(metas, 4))
+    contrib = residuals.ResidualWriter(contrib_path, metas, eid) if store_contrib else None
+    bar = Progress(sum(m.nbytes for m in metas), len(metas), f"fold {eid}", progress)
     try:
         with staged_output(out, overwrite=overwrite) as stage:
-            writer = ModelWriter(stage, metas, _provenance(pol, records, base_ck), max_shard_bytes)
-            if store_contrib:
-                contrib_stage = Path(tempfile.mkdtemp(prefix=".contrib-", dir=contrib_path.parent))
-                contrib_writer = ModelWriter(contrib_stage, float_metas, {"mergestream.expert": eid}, 2**62)
+            planned = [{"id": f.id, "sha256": f.sha256} for f in man.folds] + [{"id": eid, "sha256": _NO_HASH}]
+            writer = ModelWriter(stage, metas, _provenance(pol, planned, base_ck), max_shard_bytes)
             try:
-                def job(name: str) -> None:
-                    meta = base_ck.meta(name)
+                def work(name: str, item) -> None:
+                    kind, e = item
                     if tensor_hook is not None:
                         tensor_hook(name)
-                    if not is_float_dtype(meta.dtype):
-                        writer.write(name, base_ck.get(name))
+                    meta = base_ck.meta(name)
+                    if kind == "frozen":
+                        _write_with_aliases(writer, name, e, aliases)
+                        stats.add({}, meta.numel, meta.nbytes * (1 if e is None else 2))
+                        return
+                    if e is not None and lin is None:
+                        check_finite_tensor(name, e, loader.where)
+                    if lin is not None:
+                        residuals.fold_linear(name, e, lin, base_ck, None if first else cur, dev, contrib,
+                                              loader.where)
+                        _write_with_aliases(writer, name, e, aliases)
+                        stats.add({}, meta.numel, meta.nbytes * (2 if first else 3))
                         return
                     b = base_ck.get(name).to(dev, torch.float32)
-                    # first fold: θ_{t−1} is θ₀, already in memory (a copy, since it is updated in place)
-                    bb = b.clone() if cur is base_ck else cur.get(name).to(dev, torch.float32)
-                    tau = exp.task_vector(name, b).to(dev)
+                    # θ_{t−1} as stored is kept only when its residual is stored (not for policies
+                    # whose contributions live in their state), so memory stays at a few tensors
+                    prev_s = None
+                    if first:
+                        bb = b.clone()
+                        if contrib is not None:
+                            prev_s = b if meta.dtype == torch.float32 else b.to(meta.dtype)
+                    else:
+                        prev_s = cur.get(name)
+                        bb = prev_s.to(dev, torch.float32, copy=contrib is not None)
+                        if contrib is None:
+                            prev_s = None
+                    tau = exp.task_vector(name, b).to(dev) if e is None else e.to(dev, torch.float32).sub_(b)
+                    if e is None:
+                        check_finite_tensor(name, tau, f"LoRA delta of {loader.where}")
+                    del e
                     with state_lock:
                         st = {k: v.to(dev) for k, v in sd.tensor_state(name).items()}
                     ctx = TensorContext(name, n_prev, prev_coeffs, is_embedding_name(name), _seed(name))
                     res = pol.fold_tensor(b, bb, tau, st, ctx)
                     del b, tau
-                    result = _cast_checked(bb.add_(res.delta, alpha=res.scale), meta)
-                    _write_with_aliases(writer, name, result, aliases)
-                    if contrib_writer is not None:
-                        contrib_writer.write(name, res.full_delta().cpu())
-                    if res.state:
-                        with state_lock:
-                            for k, v in res.state.items():
-                                state_writer.write(f"{name}{SEP}{k}", v.cpu())
-                    stats.add(res.stats, meta.numel, meta.nbytes * 3)
+                    if not search:  # a coefficient search writes the output once, from the state
+                        result = _cast_checked(bb.add_(res.delta, alpha=res.scale), meta.dtype, name)
+                        _write_with_aliases(writer, name, result, aliases)
+                        if contrib is not None:
+                            contrib.add(name, result, prev_s)
+                    for k, v in res.state.items():
+                        state_writer.write(f"{name}{SEP}{k}", v.cpu())
+                    stats.add(res.stats, meta.numel, meta.nbytes * (2 if first else 3))
 
-                _Pool(threads).run(job, [m.name for m in metas if m.name not in aliases])
+                # read ahead only where the fold is I/O-bound (element-wise policies): elsewhere the
+                # math dominates and a prefetched tensor would only add to peak memory
+                run_stream(loader.names, loader.load, work, threads=_threads(threads), progress=bar,
+                           prefetch=1 if lin is not None else 0, sizes=lambda n: base_ck.meta(n).nbytes)
+                sha = exp.sha256() if not loader.dense else loader.reader.sha256()
+                if expect_sha256 is not None and sha != expect_sha256:
+                    raise CorruptCheckpointError(
+                        f"expert {exp.path} changed since it was registered: content hash {sha}, expected "
+                        f"{expect_sha256}; nothing was folded")
+                records = [{"id": f.id, "sha256": f.sha256} for f in man.folds] + [{"id": eid, "sha256": sha}]
+                writer.set_metadata(_provenance(pol, records, base_ck))
                 state_writer.close()
-                coeffs = None
-                search = None
-                if coeff is not None:
-                    coeffs = list(prev_coeffs) + [coeff]
-                    if getattr(pol.params, "coefficients", "fixed") == "cmaes":
-                        if objective is None:
-                            raise PolicyError("coefficients=cmaes needs an objective (--objective module:function)")
-                        coeffs, search = _optimise_coefficients(pol, base_ck, state_path, coeffs, list(prev_coeffs),
-                                                                objective, dev)
-                        _rewrite_from_state(pol, base_ck, state_path, coeffs, writer, dev, threads, aliases)
+                coeffs = list(prev_coeffs) + [coeff] if coeff is not None else None
+                found = None
+                if search:
+                    coeffs, found = _optimise_coefficients(pol, base_ck, state_path, coeffs, list(prev_coeffs),
+                                                           objective, dev)
+                    _rewrite_from_state(pol, base_ck, state_path, coeffs, writer, dev, threads, aliases)
                 writer.close()
-                if contrib_writer is not None:
-                    contrib_writer.close()
-                    produced = contrib_writer.files[0]
-                    os.replace(produced, contrib_path)
-                    shutil.rmtree(contrib_stage, ignore_errors=True)
-                    new_files.append(contrib_path)
+                if contrib is not None:
+                    contrib.close()
                 copy_aux_files(base_ck, stage)
             except BaseException:
                 writer.abort()
-                if contrib_writer is not None:
-                    contrib_writer.abort()
-                    shutil.rmtree(contrib_stage, ignore_errors=True)
                 raise
     except BaseException:
         state_writer.abort()
+        if contrib is not None:
+            contrib.abort()
         for f in new_files:
             f.unlink(missing_ok=True)
         raise
     finally:
-        exp.close()
-    fold_rec = FoldRecord(id=eid, expert=str(Path(expert).resolve()), sha256=rec["sha256"], params=pol.describe(),
+        bar.close()
+    fold_rec = FoldRecord(id=eid, expert=str(Path(expert).resolve()), sha256=sha, params=pol.describe(),
                           coefficient=coeffs[-1] if coeffs else None,
-                          contribution=final_name(contrib_path, sd.path) if store_contrib else None)
+                          contribution=final_name(contrib_path, sd.path) if store_contrib else None,
+                          exact_restore=store_contrib, sha256_kind="weights")
     folds = list(man.folds)
     if coeffs:
         for f, c in zip(folds, coeffs):
@@ -332,10 +405,11 @@ def fold(base: str | os.PathLike, backbone: str | os.PathLike | None, expert: st
                        folds=folds + [fold_rec])
     sd.close()
     sd.commit(new_man, new_files)
+    bytes_read = (loader.reader.bytes_read if loader.dense else 0) + stats.bytes_read
     report = FoldReport(out=str(out), policy=pol.name, params=pol.describe(), experts=[eid],
-                        seconds=time.perf_counter() - t0, bytes_read=stats.bytes_read,
+                        seconds=time.perf_counter() - t0, bytes_read=bytes_read,
                         bytes_written=writer.bytes_written, stats=stats.summary(),
-                        coefficients=[float(c) for c in coeffs] if coeffs else None, search=search)
+                        coefficients=[float(c) for c in coeffs] if coeffs else None, search=found, sha256=[sha])
     log.info("fold expert=%s policy=%s seconds=%.2f out=%s", eid, pol.name, report.seconds, out)
     return report
 
@@ -353,10 +427,10 @@ def _weights_stream(pol: Policy, base: Checkpoint, state_path: Path, coeffs: lis
                     dev: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
     read = _state_reader(state_path)
     for m in base.metas():
-        b = base.get(m.name).to(dev, torch.float32) if is_float_dtype(m.dtype) else base.get(m.name)
         if not is_float_dtype(m.dtype):
-            yield m.name, b
+            yield m.name, base.get(m.name)
             continue
+        b = base.get(m.name).to(dev, torch.float32)
         st = {k: v.to(dev) for k, v in read(m.name).items()}
         yield m.name, pol.rebuild(b, st, coeffs) if st else b
 
@@ -380,21 +454,32 @@ def _optimise_coefficients(pol: Policy, base: Checkpoint, state_path: Path, star
 
 
 def _rewrite_from_state(pol: Policy, base: Checkpoint, state_path: Path, coeffs: list[float],
-                        writer: ModelWriter, dev: torch.device, threads: int, aliases: dict[str, str]) -> None:
-    for name, t in _weights_stream(pol, base, state_path, coeffs, dev):
+                        writer: ModelWriter, dev: torch.device, threads: int | None, aliases: dict[str, str]) -> None:
+    """Write θ(α) = θ₀ + Σ αᵢ dᵢ from the state: the output of a coefficient search, written once."""
+    read = _state_reader(state_path)
+
+    def load(name: str):
+        return None if name in aliases else (base.get(name), read(name))
+
+    def work(name: str, item) -> None:
+        b, st = item
         meta = base.meta(name)
-        if name in aliases or not is_float_dtype(meta.dtype):
-            continue
-        result = _cast_checked(t, meta)
-        _write_with_aliases(writer, name, result, aliases)
+        if is_float_dtype(meta.dtype) and st:
+            t = pol.rebuild(b.to(dev, torch.float32), {k: v.to(dev) for k, v in st.items()}, coeffs)
+            b = _cast_checked(t, meta.dtype, name)
+        _write_with_aliases(writer, name, b, aliases)
+
+    run_stream(_order(base), load, work, threads=_threads(threads))
 
 
 def merge(base: str | os.PathLike, experts: list[str | os.PathLike], policy: str | Policy,
           params: dict[str, Any] | None = None, *, out: str | os.PathLike, device: str = "cpu",
-          threads: int = 1, max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False) -> FoldReport:
+          threads: int | None = 1, max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False,
+          progress: bool = False) -> FoldReport:
     """Offline merge of K experts at once: θ = θ₀ + policy.merge_tensor(θ₀, [τ₁..τ_K]).
 
-    Memory: K + 2 tensors per worker. Raises the same errors as :func:`fold`.
+    Each expert is read once (hashed on the way). Memory: K + 2 tensors per worker. Raises the
+    same errors as :func:`fold`.
     """
     pin_mmap_threshold()
     t0 = time.perf_counter()
@@ -408,59 +493,84 @@ def merge(base: str | os.PathLike, experts: list[str | os.PathLike], policy: str
     exps = [open_expert(e, base_ck) for e in experts]
     try:
         for e in exps:
-            validate_against_base(base_ck, e, role="expert")
-        records = [{"id": default_expert_id(p), "sha256": e.sha256()} for p, e in zip(experts, exps)]
-        metas = base_ck.metas()
+            validate_against_base(base_ck, e, role="expert", deep=False)
         aliases = tied_groups(base_ck)
+        loaders = [_ExpertLoader(e, base_ck, aliases, f"expert {e.path}") for e in exps]
+        metas = base_ck.metas()
         stats = _Stats()
+        bar = Progress(sum(m.nbytes for m in metas), len(metas), "merge", progress)
+
+        def load(name: str):
+            items = [ld.load(name) if (not ld.dense or name in ld.reader.ckpt) else None for ld in loaders]
+            return None if items[0] is None else items
+
         with staged_output(out, overwrite=overwrite) as stage:
-            writer = ModelWriter(stage, metas, _provenance(pol, records, base_ck), max_shard_bytes)
+            planned = [{"id": default_expert_id(p), "sha256": _NO_HASH} for p in experts]
+            writer = ModelWriter(stage, metas, _provenance(pol, planned, base_ck), max_shard_bytes)
             try:
-                def job(name: str) -> None:
+                def work(name: str, items) -> None:
                     meta = base_ck.meta(name)
-                    if not is_float_dtype(meta.dtype):
-                        writer.write(name, base_ck.get(name))
+                    if items[0][0] == "frozen":
+                        _write_with_aliases(writer, name, items[0][1], aliases)
                         return
                     b = base_ck.get(name).to(dev, torch.float32)
-                    taus = [e.task_vector(name, b).to(dev) for e in exps]
+                    taus = []
+                    for (_, e), ld, ex in zip(items, loaders, exps):
+                        if e is None:
+                            taus.append(ex.task_vector(name, b).to(dev))
+                            check_finite_tensor(name, taus[-1], f"LoRA delta of {ld.where}")
+                        else:
+                            check_finite_tensor(name, e, ld.where)
+                            taus.append(e.to(dev, torch.float32).sub_(b))
                     ctx = TensorContext(name, 0, (), is_embedding_name(name), _seed(name))
-                    delta = pol.merge_tensor(b, taus, ctx)
-                    result = _cast_checked(b.add_(delta), meta)
+                    result = _cast_checked(b.add_(pol.merge_tensor(b, taus, ctx)), meta.dtype, name)
                     _write_with_aliases(writer, name, result, aliases)
                     stats.add({}, meta.numel, meta.nbytes * (1 + len(exps)))
 
-                _Pool(threads).run(job, [m.name for m in metas if m.name not in aliases])
+                run_stream(_order(base_ck), load, work, threads=_threads(threads), progress=bar,
+                           sizes=lambda n: base_ck.meta(n).nbytes)
+                shas = [ld.reader.sha256() if ld.dense else e.sha256() for ld, e in zip(loaders, exps)]
+                records = [{"id": default_expert_id(p), "sha256": s} for p, s in zip(experts, shas)]
+                writer.set_metadata(_provenance(pol, records, base_ck))
                 writer.close()
                 copy_aux_files(base_ck, stage)
             except BaseException:
                 writer.abort()
                 raise
+            finally:
+                bar.close()
     finally:
         for e in exps:
             e.close()
+        base_ck.close()
     return FoldReport(out=str(out), policy=pol.name, params=pol.describe(), experts=[r["id"] for r in records],
                       seconds=time.perf_counter() - t0, bytes_read=stats.bytes_read,
-                      bytes_written=writer.bytes_written, stats=stats.summary())
+                      bytes_written=writer.bytes_written, stats=stats.summary(), sha256=shas)
 
 
 def unmerge(state_dir: str | os.PathLike, expert_id: str, mode: str, *, out: str | os.PathLike,
             backbone: str | os.PathLike | None = None, base: str | os.PathLike | None = None,
-            device: str = "cpu", threads: int = 1, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-            overwrite: bool = False) -> FoldReport:
+            device: str = "cpu", threads: int | None = 1, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+            overwrite: bool = False, progress: bool = False) -> FoldReport:
     """Remove one expert from the backbone the state describes.
 
     Modes:
-        ``subtract``: θ − Δ_k with Δ_k the fold's stored float32 contribution (MDM-OC: α_k δ_k⊥
-        rebuilt from the state). O(1) folds; exact for orthogonal policies up to rounding, an
-        approximation for policies whose later folds depended on Δ_k (TIES, SAFE-Merge, OPCM).
+        ``subtract``: θ − Δ_k with Δ_k the residual fold k actually applied (stored in the
+        checkpoint's dtype; MDM-OC: α_k δ_k⊥ rebuilt from the state). Removing the most recent
+        fold restores the previous backbone byte for byte; removing an earlier one is within one
+        unit in the last place of the storage dtype of θ − Δ_k; removing the only fold gives θ₀
+        exactly. An approximation of "never merged" for policies whose later folds depended on
+        Δ_k (TIES, SAFE-Merge, OPCM): use ``replay`` for those.
         ``replay``: refold every other expert from its raw task vector, in the original order with
-        its recorded parameters, starting from θ₀: the "never merged" model.
+        its recorded parameters, starting from θ₀: the "never merged" model, byte for byte.
 
     The state folder is updated to describe the new backbone (at ``out``).
 
     Raises:
         StateError: unknown expert, missing contribution, or (replay) an expert file that is gone.
     """
+    from .unmerge import replay, subtract
+
     pin_mmap_threshold()
     if mode not in ("subtract", "replay"):
         raise MergestreamError(f"unknown unmerge mode {mode!r}: use subtract or replay")
@@ -471,121 +581,32 @@ def unmerge(state_dir: str | os.PathLike, expert_id: str, mode: str, *, out: str
         raise StateError(f"{sd.path}: no folds recorded (is this a state folder?)")
     k = man.index_of(expert_id)
     base = base or man.base
-    backbone = backbone or man.backbone
-    pol = make_policy(man.policy, man.folds[k].params)
-    if mode == "replay":
-        return _replay(sd, k, out=out, device=device, threads=threads, max_shard_bytes=max_shard_bytes,
-                       overwrite=overwrite, t0=t0, base=base)
-    if not backbone or not Path(backbone).exists():
-        raise StateError(f"backbone {backbone} recorded in {sd.path} is missing; pass --backbone")
-    dev = resolve_device(device)
-    base_ck, cur = _open_base_and_backbone(base, backbone)
-    if int(cur.metadata().get("mergestream.n_folds", "-1")) != len(man.folds):
-        raise StateError(f"backbone {backbone} does not match state {sd.path} (fold counts differ)")
-    remaining = [f for i, f in enumerate(man.folds) if i != k]
-    records = [{"id": f.id, "sha256": f.sha256} for f in remaining]
-    coeff_k = man.folds[k].coefficient
-    contrib = None if pol.contributions_in_state else sd.contribution(k)
-    metas = base_ck.metas()
-    aliases = tied_groups(base_ck)
-    state_path = sd.new_file("state")
-    state_writer = SpoolWriter(state_path)
-    lock = threading.Lock()
-    stats = _Stats()
-    try:
-        with staged_output(out, overwrite=overwrite) as stage:
-            writer = ModelWriter(stage, metas, _provenance(pol, records, base_ck), max_shard_bytes)
-            try:
-                def job(name: str) -> None:
-                    meta = base_ck.meta(name)
-                    if not is_float_dtype(meta.dtype):
-                        writer.write(name, base_ck.get(name))
-                        return
-                    bb = cur.get(name).to(dev, torch.float32)
-                    with lock:
-                        st = sd.tensor_state(name)
-                    if contrib is not None:
-                        c = contrib.get(name).to(dev)
-                    else:
-                        c = pol.contribution({k2: v.to(dev) for k2, v in st.items()}, k, coeff_k, bb.shape)
-                    if c is not None:
-                        bb.sub_(c)
-                    result = _cast_checked(bb, meta)
-                    _write_with_aliases(writer, name, result, aliases)
-                    if st:
-                        new_st = pol.drop_from_state(st, k)
-                        with lock:
-                            for f, v in new_st.items():
-                                state_writer.write(f"{name}{SEP}{f}", v.cpu())
-                    stats.add({}, meta.numel, meta.nbytes * 2)
-
-                _Pool(threads).run(job, [m.name for m in metas if m.name not in aliases])
-                writer.close()
-                state_writer.close()
-                copy_aux_files(base_ck, stage)
-            except BaseException:
-                writer.abort()
-                raise
-    except BaseException:
-        state_writer.abort()
-        state_path.unlink(missing_ok=True)
-        raise
-    if contrib is not None:
-        contrib.close()
-    new_man = Manifest(policy=man.policy, base=man.base, base_tensors=man.base_tensors,
-                       backbone=str(Path(out).resolve()), state_file=final_name(state_path, sd.path), folds=remaining)
-    sd.close()
-    sd.commit(new_man, [state_path])
-    return FoldReport(out=str(out), policy=pol.name, params=pol.describe(), experts=[f.id for f in remaining],
-                      seconds=time.perf_counter() - t0, bytes_read=stats.bytes_read,
-                      bytes_written=writer.bytes_written, stats={"mode_subtract": 1.0})
+    opts = dict(device=device, threads=threads, max_shard_bytes=max_shard_bytes, overwrite=overwrite)
+    if mode == "replay" or len(man.folds) == 1:  # removing the only fold: θ₀ itself, exactly
+        report = replay(sd, k, out=out, base=base, **opts)
+    else:
+        report = subtract(sd, k, out=out, base=base, backbone=backbone or man.backbone, progress=progress, **opts)
+    report.seconds = time.perf_counter() - t0
+    return report
 
 
-def _replay(sd: StateDir, k: int, *, out, device, threads, max_shard_bytes, overwrite, t0, base) -> FoldReport:
-    man = sd.manifest
-    remaining = [f for i, f in enumerate(man.folds) if i != k]
-    for f in remaining:
-        if not Path(f.expert).exists():
-            raise StateError(f"replay needs expert {f.id!r} at {f.expert}, which is gone")
-    work = Path(tempfile.mkdtemp(prefix=".replay-", dir=Path(out).resolve().parent))
-    try:
-        tmp_state = work / "state"
-        backbone = None
-        report = None
-        for i, f in enumerate(remaining):
-            params = dict(f.params)
-            if params.get("coefficients") == "cmaes":  # no objective here: keep the recorded α
-                params["coefficients"] = "fixed"
-                params["alpha"] = f.coefficient
-            step_out = Path(out) if i == len(remaining) - 1 else work / f"step-{i}"
-            report = fold(base, backbone, f.expert, man.policy, params, state_dir=tmp_state, out=step_out,
-                          expert_id=f.id, device=device, threads=threads, max_shard_bytes=max_shard_bytes,
-                          overwrite=overwrite and step_out == Path(out))
-            backbone = step_out
-        if report is None:  # removing the only expert: the backbone is θ₀ again
-            report = _copy_base(base, out, overwrite, max_shard_bytes)
-            new_man = Manifest(policy=man.policy, base=man.base, base_tensors=man.base_tensors,
-                               backbone=str(Path(out).resolve()), state_file=None, folds=[])
-            sd.close()
-            sd.commit(new_man, [])
-        else:
-            _adopt_state(sd, tmp_state)
-        report.seconds = time.perf_counter() - t0
-        report.experts = [f.id for f in remaining]
-        return report
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-
-
-def _copy_base(base, out, overwrite, max_shard_bytes) -> FoldReport:
+def copy_base(base: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False,
+              max_shard_bytes: int = DEFAULT_SHARD_BYTES, threads: int | None = 1) -> FoldReport:
+    """Write θ₀ itself as a backbone (the result of removing every expert), through the stream."""
     pol = make_policy("task_arithmetic", {"lambda": 0.0})
     base_ck = open_checkpoint(base)
-    with staged_output(out, overwrite=overwrite) as stage:
-        w = ModelWriter(stage, base_ck.metas(), _provenance(pol, [], base_ck), max_shard_bytes)
-        for m in base_ck.metas():
-            w.write(m.name, base_ck.get(m.name))
-        w.close()
-        copy_aux_files(base_ck, stage)
+    try:
+        with staged_output(out, overwrite=overwrite) as stage:
+            w = ModelWriter(stage, base_ck.metas(), _provenance(pol, [], base_ck), max_shard_bytes)
+            try:
+                run_stream(_order(base_ck), base_ck.get, w.write, threads=_threads(threads))
+                w.close()
+            except BaseException:
+                w.abort()
+                raise
+            copy_aux_files(base_ck, stage)
+    finally:
+        base_ck.close()
     return FoldReport(out=str(out), policy="base", params={}, experts=[], bytes_written=w.bytes_written)
 
 
@@ -610,57 +631,6 @@ def _adopt_state(sd: StateDir, tmp: Path) -> None:
     sd.commit(man, new_files)
 
 
-def task_vector_stats(base: str | os.PathLike, experts: list[str | os.PathLike],
-                      device: str = "cpu") -> dict[str, Any]:
-    """One streaming pass of sums: ‖τᵢ‖ and the pairwise cosines cos(τᵢ, τⱼ) over the whole model.
-
-    Returns:
-        ``{"ids": [...], "norms": [K floats], "cosine": K×K nested list}``.
-
-    Raises:
-        ValidationError subclasses if an expert does not fit θ₀.
-    """
-    dev = resolve_device(device)
-    base_ck = open_checkpoint(base)
-    exps = [open_expert(e, base_ck) for e in experts]
-    try:
-        for e in exps:
-            validate_against_base(base_ck, e, check_finite=False)
-        k = len(exps)
-        gram = torch.zeros(k, k, dtype=torch.float64)
-        for m in base_ck.metas():
-            if not is_float_dtype(m.dtype):
-                continue
-            b = base_ck.get(m.name).to(dev, torch.float32)
-            taus = torch.stack([e.task_vector(m.name, b).to(dev).reshape(-1) for e in exps]).double()
-            gram += (taus @ taus.T).cpu()
-        norms = gram.diagonal().sqrt()
-        denom = torch.outer(norms, norms).clamp_min(1e-300)
-        cos = (gram / denom).tolist()
-        return {"ids": [default_expert_id(e) for e in experts], "norms": norms.tolist(), "cosine": cos}
-    finally:
-        for e in exps:
-            e.close()
-
-
-def describe(path: str | os.PathLike) -> dict[str, Any]:
-    """Tensor count, dtypes (count and bytes per dtype), total bytes and metadata of a checkpoint."""
-    p = Path(path)
-    if (p / "adapter_config.json").exists():
-        cfg = json.loads((p / "adapter_config.json").read_text())
-        ck = open_checkpoint(p / "adapter_model.safetensors")
-        kind = "lora"
-    else:
-        cfg, ck, kind = None, open_checkpoint(p), "dense"
-    dtypes: dict[str, dict[str, int]] = {}
-    for m in ck.metas():
-        d = dtypes.setdefault(str(m.dtype).replace("torch.", ""), {"tensors": 0, "bytes": 0})
-        d["tensors"] += 1
-        d["bytes"] += m.nbytes
-    info = {"path": str(p), "kind": kind, "tensors": len(ck.keys()), "bytes": ck.nbytes, "dtypes": dtypes,
-            "files": [f.name for f in ck.weight_files],
-            "metadata": {k: v for k, v in ck.metadata().items() if k.startswith("mergestream.")}}
-    if cfg is not None:
-        info["lora"] = {k: cfg.get(k) for k in ("r", "lora_alpha", "use_rslora", "fan_in_fan_out", "target_modules")}
-    ck.close()
-    return info
+def replay_work_dir(out: str | os.PathLike) -> Path:
+    """A scratch folder beside ``out`` for replay's intermediate backbones."""
+    return Path(tempfile.mkdtemp(prefix=".replay-", dir=Path(out).resolve().parent))

@@ -29,19 +29,8 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from .errors import MergestreamError, OutputExistsError
-from .patches import (
-    DENSE,
-    PATCH_FORMAT,
-    SPARSE_INDICES,
-    SPARSE_VALUES,
-    WEIGHTS_HASH_TAG,
-    PatchError,
-    TensorEntry,
-    Weights,
-    u64le,
-    canonical_header,
-    encode_header,
-)
+from .patches import DENSE, PATCH_FORMAT, SPARSE_INDICES, SPARSE_VALUES, PatchError, Weights, canonical_header
+from .st import WEIGHTS_HASH_TAG, TensorEntry, encode_header, u64le
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ Weights hash (:func:`weights_sha256`)
             little-endian, C order)
 
     ``u64`` is an unsigned 64-bit little-endian integer. Two models hash equal iff they hold the
-    same tensor names with the same dtypes, shapes and bytes. (This is *not*
-    ``Checkpoint.sha256()``, which hashes the files and so depends on headers and sharding.)
+    same tensor names with the same dtypes, shapes and bytes. This is the project's one content
+    hash, defined in :mod:`mergestream.st` (``Checkpoint.sha256()`` computes the same value).
 
 Patch file (a safetensors file, format ``mergestream-patch/1``)
     Tensors, for each target tensor that differs from the source (omitted when bit-identical):
@@ -55,7 +55,6 @@ import hashlib
 import json
 import os
 import shutil
-import struct
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -64,8 +63,21 @@ from typing import Any
 
 import numpy as np
 
+from .st import (
+    DTYPE_SIZES,
+    WEIGHTS_HASH_TAG,
+    FormatError,
+    Header,
+    TensorEntry,
+    fsync_dir,
+    parse_header_text,
+    pwrite_all,
+    read_header,
+    read_into,
+    u64le,
+)
+
 PATCH_FORMAT = "mergestream-patch/1"
-WEIGHTS_HASH_TAG = b"mergestream-weights-sha256/1\x00"
 INDEX_SUFFIX = ".safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 #: Files never copied as "non-weight files" of a model folder.
@@ -75,20 +87,15 @@ DENSE = "dense/"
 SPARSE_INDICES = "sparse.indices/"
 SPARSE_VALUES = "sparse.values/"
 
-#: Bytes per element of every safetensors dtype this module handles (sub-byte dtypes are refused).
-DTYPE_SIZES: dict[str, int] = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
-    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
-}
 _RAW = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 _INDEX_DTYPES = {"I32": np.dtype("<i4"), "I64": np.dtype("<i8")}
-_MAX_HEADER = 100 * 1024 * 1024  # the safetensors format's own limit
 _CHUNK = 16 * 1024 * 1024
 
 
-class PatchError(Exception):
-    """A patch cannot be applied: corrupted, truncated, not a patch, made for another source
-    model, or the result does not match the recorded target. Nothing is written when raised."""
+#: A patch cannot be applied: corrupted, truncated, not a patch, made for another source model, or
+#: the result does not match the recorded target. Nothing is written when raised. It is the format
+#: error of :mod:`mergestream.st` (a malformed safetensors file is one of its causes).
+PatchError = FormatError
 
 
 def raw_dtype(dtype: str) -> np.dtype:
@@ -103,156 +110,9 @@ def raw_dtype(dtype: str) -> np.dtype:
         raise PatchError(f"unsupported safetensors dtype {dtype!r}") from None
 
 
-def u64le(n: int) -> bytes:
-    """``n`` as an unsigned 64-bit little-endian integer (8 bytes)."""
-    return struct.pack("<Q", n)
-
-
 # ------------------------------------------------------------------------------------------
 # Reading safetensors files without a framework
 # ------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class TensorEntry:
-    """One tensor of a safetensors file: where its raw bytes live.
-
-    Attributes:
-        name: tensor name. dtype: safetensors dtype code (``"F32"``, ``"BF16"``, ...).
-        shape: dimensions. file: the file. offset: absolute byte offset of the data in ``file``.
-        nbytes: size of the data in bytes (numel · itemsize).
-    """
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    file: Path
-    offset: int
-    nbytes: int
-
-    @property
-    def numel(self) -> int:
-        """Number of elements (1 for a scalar)."""
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-    def frame(self) -> bytes:
-        """This tensor's prefix in the weights hash (name, dtype, shape, nbytes; see module doc)."""
-        name = self.name.encode("utf-8")
-        dt = self.dtype.encode("ascii")
-        out = [u64le(len(name)), name, u64le(len(dt)), dt, u64le(len(self.shape))]
-        out += [u64le(d) for d in self.shape]
-        out.append(u64le(self.nbytes))
-        return b"".join(out)
-
-
-@dataclass(frozen=True)
-class Header:
-    """A parsed safetensors header.
-
-    Attributes:
-        text: the header JSON exactly as stored (including trailing padding), without the 8-byte
-            length prefix. obj: the parsed JSON object. metadata: ``__metadata__`` (strings).
-        entries: tensors in data order. data_start: absolute offset of the data region.
-        data_len: bytes of the data region.
-    """
-
-    text: str
-    obj: dict[str, Any]
-    metadata: dict[str, str]
-    entries: list[TensorEntry]
-    data_start: int
-    data_len: int
-
-
-def parse_header_text(text: str, file: Path, where: str) -> Header:
-    """Parse and validate a safetensors header given as text (no length prefix).
-
-    Checks: a JSON object; string metadata; every tensor has a supported dtype, a shape of
-    non-negative integers and ``data_offsets`` whose span equals numel·itemsize; the tensors tile
-    the data region from 0 with no gap or overlap.
-
-    Raises:
-        PatchError: naming ``where`` and what is wrong.
-    """
-    try:
-        obj = json.loads(text)
-    except ValueError as exc:
-        raise PatchError(f"{where}: unreadable safetensors header ({exc})") from None
-    if not isinstance(obj, dict):
-        raise PatchError(f"{where}: safetensors header is not a JSON object")
-    meta = obj.get("__metadata__") or {}
-    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
-        raise PatchError(f"{where}: __metadata__ must map strings to strings")
-    data_start = 8 + len(text.encode("utf-8"))
-    entries: list[TensorEntry] = []
-    for name, info in obj.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (start, end) = info["dtype"], info["shape"], info["data_offsets"]
-        except (TypeError, KeyError, ValueError):
-            raise PatchError(f"{where}: tensor {name!r} has a malformed header entry") from None
-        if dtype not in DTYPE_SIZES:
-            raise PatchError(f"{where}: tensor {name!r} has unsupported dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise PatchError(f"{where}: tensor {name!r} has a malformed shape {shape!r}")
-        if not (isinstance(start, int) and isinstance(end, int)):
-            raise PatchError(f"{where}: tensor {name!r} has malformed data_offsets")
-        entry = TensorEntry(name, dtype, tuple(shape), file, data_start + start, end - start)
-        if start < 0 or end - start != entry.numel * DTYPE_SIZES[dtype]:
-            raise PatchError(f"{where}: tensor {name!r} ({dtype} {list(shape)}) has data_offsets "
-                             f"[{start}, {end}] that do not match its size")
-        entries.append(entry)
-    entries.sort(key=lambda e: e.offset)
-    pos = data_start
-    for e in entries:
-        if e.offset != pos:
-            raise PatchError(f"{where}: tensor data is not contiguous at tensor {e.name!r}")
-        pos += e.nbytes
-    return Header(text, obj, {str(k): str(v) for k, v in meta.items()}, entries, data_start, pos - data_start)
-
-
-def read_header(path: str | os.PathLike) -> Header:
-    """Read and validate the header of a safetensors file, and check the file is not truncated.
-
-    Raises:
-        PatchError: unreadable, malformed, truncated, or with trailing bytes.
-    """
-    path = Path(path)
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as fh:
-            head = fh.read(8)
-            n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
-            if n < 2 or n > _MAX_HEADER or 8 + n > size:
-                raise PatchError(f"{path}: not a safetensors file, or truncated (header length {n}, file "
-                                 f"{size} bytes)")
-            raw = fh.read(n)
-    except OSError as exc:
-        raise PatchError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise PatchError(f"{path}: safetensors header is not UTF-8") from None
-    hdr = parse_header_text(text, path, str(path))
-    if hdr.data_start + hdr.data_len != size:
-        what = "truncated" if hdr.data_start + hdr.data_len > size else "followed by trailing bytes"
-        raise PatchError(f"{path}: file is {what}: header declares {hdr.data_len} data bytes, "
-                         f"the file holds {size - hdr.data_start}")
-    return hdr
-
-
-def _read_into(fh, offset: int, buf: memoryview) -> None:
-    fh.seek(offset)
-    got = 0
-    while got < len(buf):
-        n = fh.readinto(buf[got:])
-        if not n:
-            raise PatchError(f"{fh.name}: unexpected end of file at byte {offset + got}")
-        got += n
-
-
 class Weights:
     """The tensors of a model folder (or a single ``.safetensors`` file), read as raw bytes.
 
@@ -340,7 +200,7 @@ class Weights:
         """One tensor's raw bytes in fresh, writable memory: 1-D ``uint8`` of length nbytes."""
         e = self.entries[name]
         buf = np.empty(e.nbytes, np.uint8)
-        _read_into(self._fh(e.file), e.offset, memoryview(buf))
+        read_into(self._fh(e.file), e.offset, memoryview(buf))
         return buf
 
     def read_raw(self, name: str) -> np.ndarray:
@@ -354,7 +214,7 @@ class Weights:
         fh = self._fh(e.file)
         for off in range(0, e.nbytes, size):
             n = min(size, e.nbytes - off)
-            _read_into(fh, e.offset + off, buf[:n])
+            read_into(fh, e.offset + off, buf[:n])
             yield buf[:n]
 
     def sha256(self) -> str:
@@ -398,13 +258,6 @@ def weights_sha256(model_dir: str | os.PathLike) -> str:
     """
     with Weights(model_dir) as w:
         return w.sha256()
-
-
-def encode_header(obj: dict[str, Any]) -> bytes:
-    """Serialize a safetensors header: 8-byte little-endian length + compact JSON padded to 8."""
-    raw = json.dumps(obj, separators=(",", ":")).encode("utf-8")
-    raw += b" " * (-len(raw) % 8)
-    return u64le(len(raw)) + raw
 
 
 def canonical_header(obj: dict[str, Any]) -> bytes:
@@ -593,20 +446,6 @@ def read_patch(patch_path: str | os.PathLike) -> Patch:
                  dense=dense, sparse=sparse, payload_bytes=payload_bytes, model_bytes=model_bytes)
 
 
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    while len(data):
-        n = os.pwrite(fd, data, offset)
-        data, offset = data[n:], offset + n
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _plan(patch: Patch, src: Weights) -> None:
     """Check before writing that every target tensor can be produced from the source + patch."""
     for name, t in patch.target.items():
@@ -677,7 +516,7 @@ def apply_patch(model_dir: str | os.PathLike, patch_path: str | os.PathLike,
                 fd = os.open(stage / tf.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
                 fds[tf.name] = fd
                 raw = tf.header.text.encode("utf-8")
-                _pwrite_all(fd, memoryview(u64le(len(raw)) + raw), 0)
+                pwrite_all(fd, memoryview(u64le(len(raw)) + raw), 0)
                 os.ftruncate(fd, tf.header.data_start + tf.header.data_len)
             h = hashlib.sha256(WEIGHTS_HASH_TAG + u64le(len(patch.target)))
             counts = {"copied": 0, "sparse": 0, "dense": 0}
@@ -697,7 +536,7 @@ def apply_patch(model_dir: str | os.PathLike, patch_path: str | os.PathLike,
                 h.update(t.frame())
                 data = memoryview(buf)
                 h.update(data)
-                _pwrite_all(fds[t.file.name], data, t.offset)
+                pwrite_all(fds[t.file.name], data, t.offset)
                 written += t.nbytes
                 del buf, data
             for name, fd in list(fds.items()):
@@ -714,9 +553,9 @@ def apply_patch(model_dir: str | os.PathLike, patch_path: str | os.PathLike,
             for f in src.aux_files():
                 if f.name not in taken:
                     shutil.copy2(f, stage / f.name)
-            _fsync_dir(stage)
+            fsync_dir(stage)
             os.rename(stage, out)
-            _fsync_dir(out.parent)
+            fsync_dir(out.parent)
         except BaseException:
             for fd in fds.values():
                 os.close(fd)

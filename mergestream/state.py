@@ -4,7 +4,8 @@ Layout of a state folder::
 
     manifest.json                     policy, parameters, base, current backbone, one record per fold
     state-<gen>.safetensors           per-tensor policy state, keys "<tensor>::<field>" (float32/int)
-    contrib/<id>-<gen>.safetensors    each fold's float32 contribution Δ (for subtract-unmerge)
+    contrib/<id>-<gen>.safetensors    each fold's applied residual (for subtract-unmerge; see
+                                      mergestream.residuals)
 
 Files are written under new names and the manifest is replaced atomically last (write to a
 temporary file, fsync, ``os.replace``), so a crash leaves the previous manifest and files intact;
@@ -23,7 +24,8 @@ from typing import Any
 
 import torch
 
-from .checkpoints import Checkpoint, fsync_dir, open_checkpoint
+from .checkpoints import Checkpoint, open_checkpoint
+from .st import fsync_dir
 from .errors import StateError
 
 MANIFEST = "manifest.json"
@@ -32,7 +34,17 @@ SEP = "::"
 
 @dataclass
 class FoldRecord:
-    """One accepted fold as the state remembers it."""
+    """One accepted fold as the state remembers it.
+
+    Attributes:
+        sha256: the expert's content hash; ``sha256_kind`` says which definition: ``"weights"``
+            (:func:`mergestream.checkpoints.content_sha256`, the one definition) or ``"files"``
+            (states written before it: the weight files' bytes).
+        contribution: the residual file subtract-unmerge uses (:mod:`mergestream.residuals`).
+        exact_restore: the current backbone is still exactly this fold's output, so subtracting
+            it restores the previous backbone byte for byte (cleared when an earlier fold is
+            subtracted).
+    """
 
     id: str
     expert: str
@@ -41,6 +53,8 @@ class FoldRecord:
     coefficient: float | None = None
     contribution: str | None = None
     time: float = field(default_factory=time.time)
+    exact_restore: bool = False
+    sha256_kind: str = "files"
 
 
 @dataclass

@@ -10,7 +10,8 @@ import torch
 from safetensors import safe_open
 
 from mergestream import engine
-from mergestream.checkpoints import ModelWriter, TensorMeta, open_checkpoint, read_state_dict, staged_output
+from mergestream.checkpoints import TensorMeta, open_checkpoint, read_state_dict
+from mergestream.writers import ModelWriter, staged_output
 
 from .conftest import check_merge_output, make_hf_expert, perturb, random_model, run_cli, save_tensors
 

@@ -11,7 +11,8 @@ import sys
 import pytest
 import torch
 
-from mergestream.checkpoints import ModelWriter, TensorMeta
+from mergestream.checkpoints import TensorMeta
+from mergestream.writers import ModelWriter
 
 ROWS, COLS = 2048, 4096  # 32 MiB per float32 tensor
 N_TENSORS = 36  # 1.13 GiB per checkpoint, 36x the largest tensor

@@ -20,7 +20,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from mergestream import engine, patch_build
-from mergestream.checkpoints import ModelWriter, TensorMeta
+from mergestream.checkpoints import TensorMeta
+from mergestream.writers import ModelWriter
 from mergestream.errors import OutputExistsError
 from mergestream.patch_build import build_patch
 from mergestream.patches import (
@@ -28,11 +29,11 @@ from mergestream.patches import (
     Weights,
     apply_patch,
     canonical_header,
-    encode_header,
     read_header,
     read_patch,
     weights_sha256,
 )
+from mergestream.st import encode_header
 from mergestream.policies import REGISTRY
 
 from .conftest import perturb, random_model
@@ -388,14 +389,17 @@ def test_apply_side_imports_without_torch():
 
 
 def test_apply_module_is_standalone(tmp_path, patched):
-    """patches.py copied alone next to nothing but numpy applies a patch."""
+    """The apply side (patches.py + the format module st.py) copied alone next to nothing but numpy
+    applies a patch: no torch, no other module of the package."""
     v1, v2, p = patched
-    lone = tmp_path / "lone"
-    lone.mkdir()
-    shutil.copy(Path(__file__).parents[1] / "mergestream" / "patches.py", lone / "edge_patches.py")
-    code = (f"import sys; sys.modules['torch'] = None; sys.modules['mergestream'] = None; "
-            f"import edge_patches; edge_patches.apply_patch({str(v1)!r}, {str(p)!r}, {str(tmp_path / 'out')!r})")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=lone,
-                          env={**os.environ, "PYTHONPATH": str(lone)})
+    lone = tmp_path / "lone" / "mergestream"
+    lone.mkdir(parents=True)
+    src = Path(__file__).parents[1] / "mergestream"
+    for name in ("__init__.py", "st.py", "patches.py"):
+        shutil.copy(src / name, lone / name)
+    code = (f"import sys; sys.modules['torch'] = None; "
+            f"from mergestream import patches; patches.apply_patch({str(v1)!r}, {str(p)!r}, {str(tmp_path / 'out')!r})")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=lone.parent,
+                          env={**os.environ, "PYTHONPATH": str(lone.parent)})
     assert proc.returncode == 0, proc.stderr
     assert_bit_identical(tmp_path / "out", v2)

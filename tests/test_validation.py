@@ -99,7 +99,8 @@ def test_bad_expert_cli_exits_nonzero_with_one_line(tmp_path, kind):
 
 def _hf_sharded(tmp_path, tensors):
     """A sharded HF folder (two shards + index) written by our own writer."""
-    from mergestream.checkpoints import ModelWriter, TensorMeta
+    from mergestream.checkpoints import TensorMeta
+    from mergestream.writers import ModelWriter
 
     folder = tmp_path / "sharded"
     folder.mkdir()

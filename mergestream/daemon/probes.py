@@ -76,6 +76,7 @@ import numpy as np
 import torch
 
 from ..checkpoints import Checkpoint, TensorMeta, is_float_dtype, open_checkpoint
+from ..residuals import is_exception_key
 from ..errors import MergestreamError
 
 log = logging.getLogger(__name__)
@@ -161,7 +162,7 @@ class ProbeContext:
     Attributes:
         base: θ₀, a ``.safetensors`` file or a Hugging Face folder.
         previous: the current published backbone's model folder; None before the first fold.
-        contributions: float32 safetensors files, one per fold folded so far including the
+        contributions: residual files (mergestream.residuals), one per fold folded so far including the
             candidate's own (last); same tensor names as θ₀'s float tensors; may be empty.
         tasks: per-task probes registered by earlier experts (and the candidate's own).
         device: torch device for the probes' math and forward passes (``cpu``, ``cuda``, ``cuda:1``).
@@ -461,10 +462,10 @@ class WeightSpaceProbe:
         cks = [open_checkpoint(p) for p in contributions]
         try:
             ref = cks[0]
-            metas = [m for m in ref.metas() if is_float_dtype(m.dtype)]
+            metas = [m for m in ref.metas() if is_float_dtype(m.dtype) and not is_exception_key(m.name)]
             names = {m.name for m in metas}
             for ck in cks[1:]:
-                other = {m.name for m in ck.metas() if is_float_dtype(m.dtype)}
+                other = {m.name for m in ck.metas() if is_float_dtype(m.dtype) and not is_exception_key(m.name)}
                 if other != names:
                     diff = sorted(names ^ other)[:3]
                     raise ProbeError(f"contributions {ref.path} and {ck.path} hold different tensors "

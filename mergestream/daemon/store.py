@@ -25,7 +25,7 @@ from typing import Any
 
 from filelock import FileLock, Timeout
 
-from ..checkpoints import fsync_dir
+from ..st import fsync_dir
 from ..errors import MergestreamError
 
 log = logging.getLogger(__name__)

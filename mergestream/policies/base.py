@@ -103,6 +103,19 @@ class Policy:
         """The coefficient this fold uses for the new expert (recorded in the state manifest)."""
         return None if self.coefficient_param is None else float(getattr(self.params, self.coefficient_param))
 
+    def linear_scale(self) -> float | None:
+        """Capability: λ when Δ_t = λ·τ element-wise whatever θ_{t−1} and the state (no state kept).
+
+        The engine then folds such a policy in small chunks of each tensor (float32 temporaries of
+        a few MiB instead of several tensor-sized ones). None (the default): use :meth:`fold_tensor`.
+        """
+        return None
+
+    def searches_coefficients(self) -> bool:
+        """Capability: the fold searches the coefficients of every folded expert on an objective
+        (the engine then writes the output once, from the state, after the search)."""
+        return False
+
     def fold_tensor(self, base: Tensor, backbone: Tensor, tau: Tensor, state: TensorState,
                     ctx: TensorContext) -> TensorFold:
         """Compute Δ_t for one tensor.

@@ -114,6 +114,10 @@ class MdmOc(Policy):
     coefficient_param = "alpha"
     contributions_in_state = True
 
+    def searches_coefficients(self) -> bool:
+        """True with ``coefficients=cmaes`` (CMA-ES over every α on an objective, §3 step 3)."""
+        return self.params.coefficients == "cmaes"
+
     def fold_tensor(self, base: Tensor, backbone: Tensor, tau: Tensor, state: TensorState,
                     ctx: TensorContext) -> TensorFold:
         p = self.params

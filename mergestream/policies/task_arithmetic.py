@@ -107,6 +107,10 @@ class GeneralizedTaskArithmetic(Policy):
             return max_magnitude(trimmed)
         return disjoint_mean(trimmed, weights, elect_sign(trimmed, weights))
 
+    def linear_scale(self) -> float | None:
+        """λ for Task Arithmetic without trim (Δ_t = λ·τ element-wise); None otherwise."""
+        return float(self.params.lam) if self.consensus == "sum" and self.params.k >= 100 else None
+
     def merge_tensor(self, base: Tensor, taus: list[Tensor], ctx: TensorContext) -> Tensor:
         """Offline K-way: Δ = λ·τ_m with τ_m the consensus of the K (trimmed) task vectors."""
         return self._merge(taus, [1.0] * len(taus)).mul_(self.params.lam)

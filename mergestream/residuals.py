@@ -1,0 +1,254 @@
+"""What subtract-unmerge needs: the residual each fold actually applied, in the checkpoint's dtype.
+
+A fold writes θ_t = rd(θ_{t−1} + Δ_t), rounded to the storage dtype (bf16, fp16, fp32, ...). The
+residual it *applied* is θ_t − θ_{t−1}, not Δ_t. Per tensor this module stores
+
+* ``<name>``: r = rd(θ_t − θ_{t−1}) in the storage dtype (so a fold costs at most the model's size
+  in its own dtype, not float32), and
+* ``<name>::exact_index`` (int64) / ``<name>::exact_value`` (storage dtype): the few entries where
+  ``rd(θ_t − r)`` is not θ_{t−1} bit for bit (where r itself had to be rounded), with
+  θ_{t−1}'s stored value there.
+
+Subtract-unmerge computes ``rd(θ − r)`` (float32 math; float64 for float64 checkpoints) and, when θ
+is still exactly the output of that fold (the most recent fold, see
+``FoldRecord.exact_restore``), overwrites the listed entries: the previous backbone comes back
+byte for byte. For an earlier fold the listed entries are not used, and the result is within one
+unit in the last place of the storage dtype of θ − r. Files of format 1 (a float32 Δ per tensor,
+no exception lists) are still read.
+
+Fold paths: :meth:`ResidualWriter.add` for whole tensors; :func:`fold_linear` folds a
+:meth:`~mergestream.policies.Policy.linear_scale` policy (Task Arithmetic) in chunks of
+:data:`~mergestream.stream.CHUNK_ELEMENTS` elements, computing the residual on the way.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import torch
+
+from .checkpoints import Checkpoint, TensorMeta, check_finite_tensor, is_float_dtype, open_safetensors_file
+from .errors import NonFiniteError
+from .writers import AppendWriter, tensor_bytes
+
+EXACT_INDEX = "::exact_index"
+EXACT_VALUE = "::exact_value"
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def is_exception_key(key: str) -> bool:
+    """True for the exception-list entries of a residual file (not a tensor's residual)."""
+    return key.endswith((EXACT_INDEX, EXACT_VALUE))
+
+
+def math_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype residual arithmetic runs in: float64 for float64 tensors, float32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s storage reinterpreted as signed integers of the same size (bit-exact comparison)."""
+    return t.view(_INT_OF_SIZE[t.dtype.itemsize])
+
+
+def header_room(metas: list[TensorMeta], fields: int) -> int:
+    """A generous header size (bytes) for a file holding up to ``fields`` entries per tensor."""
+    return 4096 + sum((len(m.name.encode()) + 160) * fields for m in metas)
+
+
+def residual(out_s: torch.Tensor, prev_s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The applied residual and where it does not restore exactly.
+
+    Args:
+        out_s: θ_t in the storage dtype. prev_s: θ_{t−1}, same shape and dtype (any device).
+
+    Returns:
+        ``(r, index, value)``: r = rd(θ_t − θ_{t−1}) (storage dtype, ``out_s``'s shape); ``index``
+        (int64, flat C-order) and ``value`` (storage dtype) of the entries where
+        ``rd(θ_t − r) != θ_{t−1}`` bit for bit, or ``(r, None, None)`` when there are none.
+    """
+    m = math_dtype(out_s.dtype)
+    prev_s = prev_s.to(out_s.device)
+    out_f = out_s.to(m)
+    r = (out_f - prev_s.to(m)).to(out_s.dtype)
+    back = (out_f - r.to(m)).to(out_s.dtype)
+    bad = (bits(back) != bits(prev_s)).reshape(-1)
+    if not bool(bad.any()):
+        return r, None, None
+    idx = bad.nonzero().squeeze(1)
+    return r, idx, prev_s.reshape(-1)[idx]
+
+
+def subtract(cur_s: torch.Tensor, r: torch.Tensor, index: torch.Tensor | None = None,
+             value: torch.Tensor | None = None) -> torch.Tensor:
+    """rd(θ − r) in ``cur_s``'s dtype, with the exact entries restored when ``index`` is given.
+
+    Args:
+        cur_s: θ (storage dtype). r: the stored residual (storage dtype, or float32 for format 1).
+        index / value: the fold's exception list (only for the fold that produced ``cur_s``).
+    """
+    m = math_dtype(cur_s.dtype)
+    out = (cur_s.to(m) - r.to(cur_s.device, m)).to(cur_s.dtype)
+    if index is not None and index.numel():
+        out.view(-1)[index.to(out.device)] = value.to(out.device, out.dtype)
+    return out
+
+
+class ResidualWriter:
+    """Write one fold's residual file (see the module docstring); threads may add concurrently.
+
+    Args:
+        path: the file (a ``*.tmp`` name from :meth:`mergestream.state.StateDir.new_file`).
+        metas: θ₀'s tensors (to size the header). expert_id: stored in the metadata.
+    """
+
+    def __init__(self, path: Path, metas: list[TensorMeta], expert_id: str):
+        self._w = AppendWriter(path, {"mergestream.expert": expert_id, "mergestream.residual_format": "2"},
+                               header_bytes=header_room(metas, 3))
+
+    def reserve(self, meta: TensorMeta) -> int:
+        """Plan ``meta``'s residual (filled by :meth:`chunk`); returns its data start."""
+        return self._w.reserve(meta.name, meta.shape, meta.dtype)
+
+    def chunk(self, start: int, elem_offset: int, out_s: torch.Tensor,
+              prev_s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Residual of a flat chunk at element ``elem_offset``; returns its exceptions (flat indices
+        of the whole tensor) or None."""
+        r, idx, val = residual(out_s, prev_s)
+        self._w.write_range(start + elem_offset * out_s.dtype.itemsize, tensor_bytes(r))
+        return None if idx is None else (idx.cpu() + elem_offset, val.cpu())
+
+    def chunk_into(self, start: int, elem_offset: int, out_s: torch.Tensor, out_m: torch.Tensor,
+                   prev_s: torch.Tensor, prev_m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """:meth:`chunk` with the math-dtype copies given and per-thread buffers (no allocation).
+
+        ``out_m`` (θ_t in the math dtype) is overwritten.
+        """
+        dev, dtype, k = out_s.device, out_s.dtype, out_s.numel()
+        d = _buffer("d", k, out_m.dtype, dev)
+        torch.sub(out_m, prev_m, out=d)
+        r = _buffer("r", k, dtype, dev).copy_(d)
+        d.copy_(r)
+        out_m.sub_(d)
+        back = _buffer("back", k, dtype, dev).copy_(out_m)
+        bad = torch.ne(bits(back), bits(prev_s.to(dev)), out=_buffer("bad", k, torch.bool, dev))
+        self._w.write_range(start + elem_offset * dtype.itemsize, tensor_bytes(r))
+        if not bool(bad.any()):
+            return None
+        idx = bad.nonzero().squeeze(1)
+        return idx.cpu() + elem_offset, prev_s.to(dev)[idx].cpu()
+
+    def finish(self, name: str, exceptions: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Append a tensor's exception list (if any)."""
+        if exceptions:
+            self._w.write(name + EXACT_INDEX, torch.cat([i for i, _ in exceptions]))
+            self._w.write(name + EXACT_VALUE, torch.cat([v for _, v in exceptions]))
+
+    def add(self, name: str, out_s: torch.Tensor, prev_s: torch.Tensor) -> None:
+        """Whole-tensor form: θ_t (``out_s``, CPU) and θ_{t−1} (``prev_s``) of tensor ``name``."""
+        start = self._w.reserve(name, tuple(out_s.shape), out_s.dtype)
+        exc = self.chunk(start, 0, out_s.reshape(-1), prev_s.reshape(-1))
+        self.finish(name, [exc] if exc else [])
+
+    def close(self) -> None:
+        self._w.close()
+
+    def abort(self) -> None:
+        self._w.abort()
+
+
+class ResidualReader:
+    """Read a fold's residual file (format 2, or format 1's float32 Δ). Thread-safe."""
+
+    def __init__(self, path: Path):
+        self._ck = open_safetensors_file(path)
+
+    def get(self, name: str) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """``(r, index, value)`` of tensor ``name``; ``(None, None, None)`` if nothing was stored."""
+        if name not in self._ck:
+            return None, None, None
+        if name + EXACT_INDEX in self._ck:
+            return self._ck.get(name), self._ck.get(name + EXACT_INDEX), self._ck.get(name + EXACT_VALUE)
+        return self._ck.get(name), None, None
+
+    def close(self) -> None:
+        self._ck.close()
+
+
+_local = threading.local()
+
+
+def _buffer(slot: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A per-thread reusable flat buffer of at least ``numel`` elements (no allocation per chunk:
+    fresh tensor-sized buffers cost page faults, which dominated the fold's system time)."""
+    key = (slot, dtype, device)
+    bufs = getattr(_local, "bufs", None)
+    if bufs is None:
+        bufs = _local.bufs = {}
+    buf = bufs.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = bufs[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buf[:numel]
+
+
+def fold_linear(name: str, e: torch.Tensor, lam: float, base: Checkpoint, backbone: Checkpoint | None,
+                dev: torch.device, contrib: ResidualWriter | None, where: str,
+                chunk_elements: int | None = None) -> None:
+    """Fold Δ = λ·τ for one tensor in chunks, writing θ_t into ``e``'s own memory.
+
+    Same arithmetic as the whole-tensor path (τ = e − θ₀ in float32, ×λ, + θ_{t−1}, cast), so
+    the result is bit-identical to it; temporaries are a few reused float32 chunk buffers per
+    thread instead of tensor-sized allocations.
+
+    Args:
+        e: the expert's tensor as stored (CPU, fresh memory; overwritten with θ_t).
+        lam: λ. base: θ₀. backbone: θ_{t−1}, or None at the first fold (θ_{t−1} = θ₀).
+        contrib: where the applied residual goes (None: not stored).
+        where: the expert's description for error messages.
+
+    Raises:
+        NonFiniteError: the expert holds NaN/Inf, or a result overflows the storage dtype.
+    """
+    from .stream import CHUNK_ELEMENTS
+
+    meta = base.meta(name)
+    dtype = meta.dtype
+    assert is_float_dtype(dtype)
+    m = math_dtype(dtype)
+    step = chunk_elements or CHUNK_ELEMENTS
+    isz = dtype.itemsize
+    flat = e.reshape(-1)
+    n = flat.numel()
+    start = contrib.reserve(meta) if contrib is not None else 0
+    exceptions = []
+    cpu = torch.device("cpu")
+    for s in range(0, n, step):
+        k = min(step, n - s)
+        ec = flat[s:s + k]
+        x = _buffer("x", k, m, dev)
+        x.copy_(ec)
+        if not bool(torch.isfinite(x.sum())):
+            check_finite_tensor(name, ec, where)
+        b_raw = base.read_into(name, _buffer("base", k * isz, torch.uint8, cpu), s * isz).view(dtype)
+        bf = _buffer("b", k, m, dev).copy_(b_raw)
+        x.sub_(bf)
+        if lam != 1.0:
+            x.mul_(lam)
+        if backbone is None:
+            prev_raw, pf = b_raw, bf
+        else:
+            prev_raw = backbone.read_into(name, _buffer("prev", k * isz, torch.uint8, cpu), s * isz).view(dtype)
+            pf = _buffer("p", k, m, dev).copy_(prev_raw)
+        x.add_(pf)
+        out_c = _buffer("out", k, dtype, dev).copy_(x)
+        if not bool(torch.isfinite(out_c.sum(dtype=torch.float32))) and not bool(torch.isfinite(out_c).all()):
+            raise NonFiniteError(f"tensor {name}: the fold's result is not finite in {dtype} (overflow?); "
+                                 "nothing written")
+        ec.copy_(out_c)
+        if contrib is not None:
+            exc = contrib.chunk_into(start, s, out_c, x.copy_(out_c), prev_raw, pf)
+            if exc is not None:
+                exceptions.append(exc)
+    if contrib is not None:
+        contrib.finish(name, exceptions)

@@ -1,0 +1,278 @@
+"""The safetensors format without torch or numpy: headers, raw reads and writes, fsync, weights hash.
+
+One home for the file format, shared by the checkpoint readers/writers (:mod:`mergestream.checkpoints`),
+the patch apply side (:mod:`mergestream.patches`, which must stay importable with numpy alone) and
+anything that checks a file's completeness. Standard library only.
+
+Weights hash (:class:`WeightsHash`)
+    The content hash of a model: sha256 of its canonical content, independent of sharding, tensor
+    order in the files, header formatting and ``__metadata__``::
+
+        "mergestream-weights-sha256/1\\0" || u64(count)
+        for each tensor, in ascending order of the UTF-8 bytes of its name:
+            u64(len(name)) || name (UTF-8) || u64(len(dtype)) || dtype (ASCII safetensors code:
+            "F32", "BF16", ...) || u64(ndim) || u64(dim)... || u64(nbytes) || data (as stored:
+            little-endian, C order)
+
+    ``u64`` is an unsigned 64-bit little-endian integer. Two models hash equal iff they hold the
+    same tensor names with the same dtypes, shapes and bytes. It is the one content hash of the
+    project: the ledger, the state manifest, the output metadata and the patches all use it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+WEIGHTS_HASH_TAG = b"mergestream-weights-sha256/1\x00"
+_MAX_HEADER = 100 * 1024 * 1024  # the safetensors format's own limit
+
+
+class FormatError(Exception):
+    """A safetensors file (or a patch) is unreadable, malformed, truncated or inconsistent."""
+
+
+#: Bytes per element of every safetensors dtype this module handles (sub-byte dtypes are refused).
+DTYPE_SIZES: dict[str, int] = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
+}
+
+def u64le(n: int) -> bytes:
+    """``n`` as an unsigned 64-bit little-endian integer (8 bytes)."""
+    return struct.pack("<Q", n)
+
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a safetensors file: where its raw bytes live.
+
+    Attributes:
+        name: tensor name. dtype: safetensors dtype code (``"F32"``, ``"BF16"``, ...).
+        shape: dimensions. file: the file. offset: absolute byte offset of the data in ``file``.
+        nbytes: size of the data in bytes (numel · itemsize).
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: Path
+    offset: int
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        """Number of elements (1 for a scalar)."""
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def frame(self) -> bytes:
+        """This tensor's prefix in the weights hash (name, dtype, shape, nbytes; see module doc)."""
+        name = self.name.encode("utf-8")
+        dt = self.dtype.encode("ascii")
+        out = [u64le(len(name)), name, u64le(len(dt)), dt, u64le(len(self.shape))]
+        out += [u64le(d) for d in self.shape]
+        out.append(u64le(self.nbytes))
+        return b"".join(out)
+
+
+@dataclass(frozen=True)
+class Header:
+    """A parsed safetensors header.
+
+    Attributes:
+        text: the header JSON exactly as stored (including trailing padding), without the 8-byte
+            length prefix. obj: the parsed JSON object. metadata: ``__metadata__`` (strings).
+        entries: tensors in data order. data_start: absolute offset of the data region.
+        data_len: bytes of the data region.
+    """
+
+    text: str
+    obj: dict[str, Any]
+    metadata: dict[str, str]
+    entries: list[TensorEntry]
+    data_start: int
+    data_len: int
+
+
+def parse_header_text(text: str, file: Path, where: str) -> Header:
+    """Parse and validate a safetensors header given as text (no length prefix).
+
+    Checks: a JSON object; string metadata; every tensor has a supported dtype, a shape of
+    non-negative integers and ``data_offsets`` whose span equals numel·itemsize; the tensors tile
+    the data region from 0 with no gap or overlap.
+
+    Raises:
+        FormatError: naming ``where`` and what is wrong.
+    """
+    try:
+        obj = json.loads(text)
+    except ValueError as exc:
+        raise FormatError(f"{where}: unreadable safetensors header ({exc})") from None
+    if not isinstance(obj, dict):
+        raise FormatError(f"{where}: safetensors header is not a JSON object")
+    meta = obj.get("__metadata__") or {}
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise FormatError(f"{where}: __metadata__ must map strings to strings")
+    data_start = 8 + len(text.encode("utf-8"))
+    entries: list[TensorEntry] = []
+    for name, info in obj.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (start, end) = info["dtype"], info["shape"], info["data_offsets"]
+        except (TypeError, KeyError, ValueError):
+            raise FormatError(f"{where}: tensor {name!r} has a malformed header entry") from None
+        if dtype not in DTYPE_SIZES:
+            raise FormatError(f"{where}: tensor {name!r} has unsupported dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise FormatError(f"{where}: tensor {name!r} has a malformed shape {shape!r}")
+        if not (isinstance(start, int) and isinstance(end, int)):
+            raise FormatError(f"{where}: tensor {name!r} has malformed data_offsets")
+        entry = TensorEntry(name, dtype, tuple(shape), file, data_start + start, end - start)
+        if start < 0 or end - start != entry.numel * DTYPE_SIZES[dtype]:
+            raise FormatError(f"{where}: tensor {name!r} ({dtype} {list(shape)}) has data_offsets "
+                             f"[{start}, {end}] that do not match its size")
+        entries.append(entry)
+    entries.sort(key=lambda e: e.offset)
+    pos = data_start
+    for e in entries:
+        if e.offset != pos:
+            raise FormatError(f"{where}: tensor data is not contiguous at tensor {e.name!r}")
+        pos += e.nbytes
+    return Header(text, obj, {str(k): str(v) for k, v in meta.items()}, entries, data_start, pos - data_start)
+
+
+def read_header(path: str | os.PathLike) -> Header:
+    """Read and validate the header of a safetensors file, and check the file is not truncated.
+
+    Raises:
+        FormatError: unreadable, malformed, truncated, or with trailing bytes.
+    """
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+            if n < 2 or n > _MAX_HEADER or 8 + n > size:
+                raise FormatError(f"{path}: not a safetensors file, or truncated (header length {n}, file "
+                                 f"{size} bytes)")
+            raw = fh.read(n)
+    except OSError as exc:
+        raise FormatError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise FormatError(f"{path}: safetensors header is not UTF-8") from None
+    hdr = parse_header_text(text, path, str(path))
+    if hdr.data_start + hdr.data_len != size:
+        what = "truncated" if hdr.data_start + hdr.data_len > size else "followed by trailing bytes"
+        raise FormatError(f"{path}: file is {what}: header declares {hdr.data_len} data bytes, "
+                         f"the file holds {size - hdr.data_start}")
+    return hdr
+
+
+def read_into(fh, offset: int, buf: memoryview) -> None:
+    fh.seek(offset)
+    got = 0
+    while got < len(buf):
+        n = fh.readinto(buf[got:])
+        if not n:
+            raise FormatError(f"{fh.name}: unexpected end of file at byte {offset + got}")
+        got += n
+
+
+def encode_header(obj: dict[str, Any]) -> bytes:
+    """Serialize a safetensors header: 8-byte little-endian length + compact JSON padded to 8."""
+    raw = json.dumps(obj, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    return u64le(len(raw)) + raw
+
+
+def name_order(names) -> list[str]:
+    """Tensor names in canonical order (ascending UTF-8 bytes), the order of the weights hash."""
+    return sorted(names, key=lambda n: n.encode("utf-8"))
+
+
+class WeightsHash:
+    """Incremental weights hash (see the module docstring): feed every tensor once, in name order.
+
+    Args:
+        count: the number of tensors the model holds.
+
+    Raises:
+        FormatError: from :meth:`update` when tensors arrive out of canonical order, and from
+            :meth:`hexdigest` when fewer than ``count`` tensors were fed.
+    """
+
+    def __init__(self, count: int):
+        self._h = hashlib.sha256(WEIGHTS_HASH_TAG + u64le(count))
+        self._count = count
+        self._seen = 0
+        self._last: bytes | None = None
+        self._open: int = 0  # bytes still expected for the current tensor
+
+    def begin(self, entry: TensorEntry) -> None:
+        """Start tensor ``entry`` (its frame: name, dtype, shape, nbytes)."""
+        key = entry.name.encode("utf-8")
+        if self._open or (self._last is not None and key <= self._last):
+            raise FormatError(f"weights hash: tensor {entry.name!r} out of order or previous tensor incomplete")
+        self._last = key
+        self._seen += 1
+        self._open = entry.nbytes
+        self._h.update(entry.frame())
+
+    def data(self, chunk) -> None:
+        """Feed the next bytes of the current tensor's data (any buffer; large ones release the GIL)."""
+        n = memoryview(chunk).nbytes
+        if n > self._open:
+            raise FormatError("weights hash: more data than the tensor's size")
+        self._open -= n
+        self._h.update(chunk)
+
+    def hexdigest(self) -> str:
+        """The hash (64 hex characters) once every tensor was fed completely."""
+        if self._seen != self._count or self._open:
+            raise FormatError(f"weights hash: {self._seen} of {self._count} tensors fed")
+        return self._h.hexdigest()
+
+
+def pwrite_all(fd: int, data, offset: int) -> None:
+    """Write all of ``data`` (a buffer) at ``offset`` of ``fd`` (positional; thread-safe)."""
+    data = memoryview(data).cast("B")
+    while len(data):
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
+def pread_into(fd: int, buf, offset: int, where: str = "file") -> None:
+    """Fill the writable buffer ``buf`` from ``fd`` at ``offset`` (positional; thread-safe).
+
+    Raises:
+        FormatError: the file ends first (truncated after it was opened).
+    """
+    mv = memoryview(buf).cast("B")
+    got = 0
+    while got < len(mv):
+        n = os.preadv(fd, [mv[got:]], offset + got)
+        if n <= 0:
+            raise FormatError(f"{where}: unexpected end of file at byte {offset + got}")
+        got += n
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """fsync a directory so that renames inside it are durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,177 @@
+"""The one streaming skeleton every pass over a model uses: load in order, map per tensor, write.
+
+Fold, offline merge, unmerge, replay (a sequence of folds), the coefficient rewrite and the copy
+of θ₀ all run through :func:`run_stream`:
+
+1. **plan** (the caller): the output's tensors, shapes and dtypes are known from headers, so the
+   output and state writers are created before any data is read;
+2. **load**, in one thread and in a fixed order (the canonical name order of
+   :func:`mergestream.st.name_order`): read the tensors a job needs, and do what must see the bytes
+   in order (the expert's content hash, :class:`ExpertReader`);
+3. **map**: ``work(name, item)`` on ``threads`` worker threads (math and ``pwrite``; torch and the
+   OS release the GIL), overlapping with the loading of the next tensors;
+4. **commit** (the caller): close the writers, rename the staged output into place.
+
+Memory is bounded: at most ``threads + prefetch`` jobs are alive (loaded and not yet finished),
+each holding the tensors its loader read. The first error (from the loader or a worker) stops the
+loading, waits for the jobs in flight and is raised; nothing is committed by this module.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from . import st
+from .checkpoints import Checkpoint, TensorMeta
+
+#: elements per chunk of the element-wise fast paths (float32 temporaries of 4 MiB)
+CHUNK_ELEMENTS = 1 << 20
+
+
+def default_threads() -> int:
+    """Worker threads when the user does not say: the usable cores, at most 4."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(4, cores))
+
+
+class Progress:
+    """A progress bar (bytes and tensors, rate, ETA) on a terminal; silent otherwise.
+
+    Uses tqdm. Shown only when ``enabled`` and standard error is a terminal.
+
+    Args:
+        total_bytes: bytes the pass will process (for rate and ETA). tensors: tensor count.
+        desc: the label (e.g. ``fold sst2``). enabled: False for ``--quiet`` or library use.
+    """
+
+    def __init__(self, total_bytes: int, tensors: int, desc: str, enabled: bool):
+        self._bar = None
+        self._tensors = tensors
+        self._done = 0
+        self._lock = threading.Lock()
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
+                             leave=False, dynamic_ncols=True, file=sys.stderr)
+
+    def advance(self, nbytes: int) -> None:
+        """One tensor of ``nbytes`` finished."""
+        if self._bar is None:
+            return
+        with self._lock:
+            self._done += 1
+            self._bar.set_postfix_str(f"{self._done}/{self._tensors} tensors", refresh=False)
+            self._bar.update(nbytes)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def run_stream(names: Iterable[str], load: Callable[[str], Any], work: Callable[[str, Any], None], *,
+               threads: int = 1, prefetch: int = 1, progress: Progress | None = None,
+               sizes: Callable[[str], int] | None = None) -> None:
+    """Load tensors in order on the calling thread and map ``work`` over them on worker threads.
+
+    Args:
+        names: tensor names, in the order ``load`` must see them.
+        load: ``load(name) -> item`` (I/O, ordered side effects). An item of ``None`` means there is
+            nothing to do for that tensor (it is not passed to ``work``).
+        work: ``work(name, item)``: compute and write one tensor; runs on ``threads`` workers.
+        threads: worker threads (>= 1). prefetch: jobs loaded ahead of the workers (>= 0); at most
+            ``threads + prefetch`` jobs are alive at once.
+        progress: advanced by ``sizes(name)`` bytes per finished tensor.
+
+    Raises:
+        The first exception of ``load`` or ``work``; the jobs in flight are finished or abandoned
+        first (no worker is left running).
+    """
+    threads = max(1, threads)
+    slots = threading.BoundedSemaphore(threads + max(0, prefetch))
+    failed: list[BaseException] = []
+    pending: list[Future] = []
+
+    def job(name: str, item: Any) -> None:
+        try:
+            if not failed:
+                work(name, item)
+            if progress is not None and sizes is not None:
+                progress.advance(sizes(name))
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the loader thread
+            failed.append(exc)
+        finally:
+            slots.release()
+
+    with ThreadPoolExecutor(threads, thread_name_prefix="mergestream-fold") as pool:
+        try:
+            for name in names:
+                slots.acquire()
+                if failed:
+                    slots.release()
+                    break
+                try:
+                    item = load(name)
+                except BaseException:
+                    slots.release()
+                    raise
+                if item is None:
+                    slots.release()
+                    if progress is not None and sizes is not None:
+                        progress.advance(sizes(name))
+                    continue
+                pending.append(pool.submit(job, name, item))
+                pending = [f for f in pending if not f.done()]
+        except BaseException as exc:
+            failed.append(exc)
+        for f in pending:
+            f.result()
+    if failed:
+        raise failed[0]
+
+
+class ExpertReader:
+    """Read an expert's tensors in canonical name order and hash them on the way.
+
+    Every tensor of the expert is fed to :class:`mergestream.st.WeightsHash` as it is read, so the
+    content hash costs no extra pass; :meth:`sha256` is available once every tensor was read.
+    For a checkpoint without raw entries (a legacy pickle) the hash is the file hash, read once
+    up front. Counts the bytes it read (``bytes_read``) for the tests that check a single pass.
+    """
+
+    def __init__(self, ckpt: Checkpoint):
+        self.ckpt = ckpt
+        self.bytes_read = 0
+        self._hash = st.WeightsHash(len(ckpt.keys())) if ckpt.raw else None
+        self._sha = None if ckpt.raw else ckpt.sha256()
+
+    def order(self) -> list[str]:
+        """Every tensor name of the expert, in the order :meth:`read` must be called."""
+        return st.name_order(self.ckpt.keys())
+
+    def read(self, name: str) -> torch.Tensor:
+        """The tensor's stored value in fresh memory (CPU, stored dtype and shape), hashed."""
+        t = self.ckpt.get(name)
+        m: TensorMeta = self.ckpt.meta(name)
+        self.bytes_read += m.nbytes
+        if self._hash is not None:
+            self._hash.begin(self.ckpt.entry(name))
+            if m.nbytes:
+                self._hash.data(t.reshape(-1).view(torch.uint8).numpy())
+        return t
+
+    def sha256(self) -> str:
+        """The expert's content hash (raises FormatError if some tensor was not read)."""
+        if self._sha is None:
+            self._sha = self._hash.hexdigest()
+        return self._sha
