@@ -190,7 +190,7 @@ class Config(BaseSettings):
     gate: GateConfig = Field(default_factory=GateConfig)
     retention: int = Field(5, ge=1, description="published versions kept (current is never deleted)")
     device: str = Field("cpu", description="math device for folds (cpu, cuda)")
-    fold_threads: int = Field(1, ge=1, description="tensor-level worker threads per fold")
+    fold_threads: int = Field(0, ge=0, description="tensor-level worker threads per fold (0: auto, the usable cores up to 4)")
     torch_threads: int | None = Field(None, ge=1, description="torch.set_num_threads; default: torch's")
     max_shard_bytes: int = Field(5 * 1024**3, gt=0, description="output shard cap (bytes)")
     log_format: Literal["json", "text"] = Field("json", description="structured log lines")

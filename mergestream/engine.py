@@ -186,9 +186,9 @@ class _ExpertLoader:
     tensor to stream: the worker builds τ from the factors.
     """
 
-    def __init__(self, exp, base: Checkpoint, aliases: dict[str, str], where: str):
+    def __init__(self, exp, base: Checkpoint, aliases: dict[str, str], where: str, buffers: int = 0):
         self.dense = isinstance(exp, DenseExpert)
-        self.reader = ExpertReader(exp.ckpt) if self.dense else None
+        self.reader = ExpertReader(exp.ckpt, buffers) if self.dense else None
         self.base = base
         self.aliases = aliases
         self.where = where
@@ -197,14 +197,27 @@ class _ExpertLoader:
     def load(self, name: str):
         e = self.reader.read(name) if self.dense else None
         if name in self.aliases:
+            self._drop(e)
             return None
         meta = self.base.meta(name)
         if not is_float_dtype(meta.dtype):
             want = self.base.get(name)
-            if e is not None:
-                check_frozen(name, e, want, self.where, self.base.path)
+            try:
+                if e is not None:
+                    check_frozen(name, e, want, self.where, self.base.path)
+            finally:
+                self._drop(e)
             return ("frozen", want)
         return ("float", e)
+
+    def _drop(self, e) -> None:
+        if e is not None:
+            self.reader.release(e)
+
+    def release(self, item) -> None:
+        """Hand a job's expert buffer back to the reader's pool."""
+        if item is not None and self.reader is not None and item[0] == "float":
+            self.reader.release(item[1])
 
 
 def _order(ck: Checkpoint) -> list[str]:
@@ -277,7 +290,10 @@ def fold(base: str | os.PathLike, backbone: str | os.PathLike | None, expert: st
     exp = open_expert(expert, base_ck)
     try:
         validate_against_base(base_ck, exp, role="expert", deep=False)
-        loader = _ExpertLoader(exp, base_ck, tied_groups(base_ck), f"expert {exp.path}")
+        lin = pol.linear_scale() if isinstance(exp, DenseExpert) else None
+        # element-wise policies are I/O-bound: read ahead into pooled buffers (no page faults)
+        buffers = _threads(threads) + 1 if lin is not None else 0
+        loader = _ExpertLoader(exp, base_ck, tied_groups(base_ck), f"expert {exp.path}", buffers)
         return _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, dev, threads,
                           max_shard_bytes, objective, overwrite, progress, expect_sha256, tensor_hook, t0)
     finally:
@@ -361,7 +377,8 @@ def _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, 
                 # read ahead only where the fold is I/O-bound (element-wise policies): elsewhere the
                 # math dominates and a prefetched tensor would only add to peak memory
                 run_stream(loader.names, loader.load, work, threads=_threads(threads), progress=bar,
-                           prefetch=1 if lin is not None else 0, sizes=lambda n: base_ck.meta(n).nbytes)
+                           prefetch=1 if lin is not None else 0, sizes=lambda n: base_ck.meta(n).nbytes,
+                           release=loader.release)
                 sha = exp.sha256() if not loader.dense else loader.reader.sha256()
                 if expect_sha256 is not None and sha != expect_sha256:
                     raise CorruptCheckpointError(

@@ -20,6 +20,7 @@ loading, waits for the jobs in flight and is raised; nothing is committed by thi
 from __future__ import annotations
 
 import os
+import queue
 import sys
 import threading
 from collections.abc import Callable, Iterable
@@ -81,7 +82,7 @@ class Progress:
 
 def run_stream(names: Iterable[str], load: Callable[[str], Any], work: Callable[[str, Any], None], *,
                threads: int = 1, prefetch: int = 1, progress: Progress | None = None,
-               sizes: Callable[[str], int] | None = None) -> None:
+               sizes: Callable[[str], int] | None = None, release: Callable[[Any], None] | None = None) -> None:
     """Load tensors in order on the calling thread and map ``work`` over them on worker threads.
 
     Args:
@@ -92,6 +93,7 @@ def run_stream(names: Iterable[str], load: Callable[[str], Any], work: Callable[
         threads: worker threads (>= 1). prefetch: jobs loaded ahead of the workers (>= 0); at most
             ``threads + prefetch`` jobs are alive at once.
         progress: advanced by ``sizes(name)`` bytes per finished tensor.
+        release: called with each item once its job is over (e.g. to return pooled buffers).
 
     Raises:
         The first exception of ``load`` or ``work``; the jobs in flight are finished or abandoned
@@ -111,6 +113,8 @@ def run_stream(names: Iterable[str], load: Callable[[str], Any], work: Callable[
         except BaseException as exc:  # noqa: BLE001 - re-raised by the loader thread
             failed.append(exc)
         finally:
+            if release is not None:
+                release(item)
             slots.release()
 
     with ThreadPoolExecutor(threads, thread_name_prefix="mergestream-fold") as pool:
@@ -127,6 +131,8 @@ def run_stream(names: Iterable[str], load: Callable[[str], Any], work: Callable[
                     raise
                 if item is None:
                     slots.release()
+                    if release is not None:
+                        release(item)
                     if progress is not None and sizes is not None:
                         progress.advance(sizes(name))
                     continue
@@ -149,20 +155,29 @@ class ExpertReader:
     up front. Counts the bytes it read (``bytes_read``) for the tests that check a single pass.
     """
 
-    def __init__(self, ckpt: Checkpoint):
+    def __init__(self, ckpt: Checkpoint, buffers: int = 0):
         self.ckpt = ckpt
         self.bytes_read = 0
         self._hash = st.WeightsHash(len(ckpt.keys())) if ckpt.raw else None
         self._sha = None if ckpt.raw else ckpt.sha256()
+        self._pool = BufferPool(buffers, max((m.nbytes for m in ckpt.metas()), default=0)) if buffers and ckpt.raw \
+            else None
 
     def order(self) -> list[str]:
         """Every tensor name of the expert, in the order :meth:`read` must be called."""
         return st.name_order(self.ckpt.keys())
 
     def read(self, name: str) -> torch.Tensor:
-        """The tensor's stored value in fresh memory (CPU, stored dtype and shape), hashed."""
-        t = self.ckpt.get(name)
+        """The tensor's stored value (CPU, stored dtype and shape), hashed on the way.
+
+        In fresh memory, or, with ``buffers``, in a pooled buffer the caller hands back with
+        :meth:`release` once done (a reused buffer costs no page faults).
+        """
         m: TensorMeta = self.ckpt.meta(name)
+        if self._pool is not None:
+            t = self.ckpt.read_into(name, self._pool.take(m.nbytes)).view(m.dtype).reshape(m.shape)
+        else:
+            t = self.ckpt.get(name)
         self.bytes_read += m.nbytes
         if self._hash is not None:
             self._hash.begin(self.ckpt.entry(name))
@@ -170,8 +185,50 @@ class ExpertReader:
                 self._hash.data(t.reshape(-1).view(torch.uint8).numpy())
         return t
 
+    def release(self, t: torch.Tensor | None) -> None:
+        """Hand back a tensor :meth:`read` returned (no-op without a pool)."""
+        if self._pool is not None and t is not None:
+            self._pool.give(t)
+
     def sha256(self) -> str:
         """The expert's content hash (raises FormatError if some tensor was not read)."""
         if self._sha is None:
             self._sha = self._hash.hexdigest()
         return self._sha
+
+
+class BufferPool:
+    """At most ``count`` reusable byte buffers of ``nbytes`` each, handed out and back by threads.
+
+    :meth:`take` blocks while all are out; callers bound how many they hold (``run_stream``'s
+    slots), so ``count`` >= the number of jobs alive never blocks for long.
+    """
+
+    def __init__(self, count: int, nbytes: int):
+        self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
+        self._made = 0
+        self._count = count
+        self._nbytes = nbytes
+        self._lock = threading.Lock()
+        self._mine: dict[int, torch.Tensor] = {}
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A flat ``uint8`` tensor of exactly ``nbytes`` (a view of a pooled buffer)."""
+        with self._lock:
+            make = self._free.empty() and self._made < self._count
+            if make:
+                self._made += 1
+        if make:
+            buf = torch.empty(self._nbytes, dtype=torch.uint8)
+            with self._lock:
+                self._mine[buf.data_ptr()] = buf
+        else:
+            buf = self._free.get()
+        return buf[:nbytes]
+
+    def give(self, t: torch.Tensor) -> None:
+        """Return a tensor obtained from :meth:`take` (or any view of it starting at its start)."""
+        with self._lock:
+            buf = self._mine.get(t.data_ptr())
+        if buf is not None:
+            self._free.put(buf)

@@ -26,6 +26,7 @@ from typing import Any
 
 from .. import engine
 from ..config import Config
+from ..checkpoints import content_sha256
 from ..errors import CheckpointError, MergestreamError, ValidationError
 from ..state import StateDir
 from . import gate
@@ -35,25 +36,6 @@ from .store import Store
 from .tracking import Tracker
 
 log = logging.getLogger("mergestream.service")
-
-
-def content_sha256(path: str | os.PathLike) -> str:
-    """sha256 of an expert's content, streamed: a file's bytes, or a folder's files (relative name +
-    bytes, sorted; the READY marker excluded). The expert's own file or folder name is not part of
-    it, so the same expert copied under two names is one ledger row.
-
-    Works on files that do not parse (so a corrupt expert still gets one ledger row).
-    """
-    p = Path(path)
-    files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file() and f.name != "READY")
-    h = hashlib.sha256()
-    for f in files:
-        if p.is_dir():
-            h.update(str(f.relative_to(p)).encode())
-        with open(f, "rb") as fh:
-            while chunk := fh.read(16 * 1024 * 1024):
-                h.update(chunk)
-    return h.hexdigest()
 
 
 class _PreStepRejected(MergestreamError):
@@ -348,10 +330,13 @@ class Service:
                 objective = self._probe_objective(candidate_expert)
             self.store.carry_state(staging / "state")
             hook = self._tensor_hook()
+            # the ledger's hash is the one the fold computes on its own pass: an expert changed since
+            # it was registered is refused (unless RI replaced it with its adapted copy)
             rep = engine.fold(self.cfg.base, backbone, src, pol.name, pol.params, state_dir=staging / "state",
                               out=staging / "model", expert_id=row.expert_id, device=self.cfg.device,
                               threads=self.cfg.fold_threads, max_shard_bytes=self.cfg.max_shard_bytes,
-                              tensor_hook=hook, objective=objective)
+                              tensor_hook=hook, objective=objective,
+                              expect_sha256=row.sha256 if src == row.uri else None)
             timings["fold_seconds"] = rep.seconds
             self.metrics.bytes_read.inc(rep.bytes_read)
             self.metrics.bytes_written.inc(rep.bytes_written)

@@ -1,0 +1,228 @@
+"""The streaming core: each input read once, one content hash, exact unmerge in every storage dtype,
+and nothing published or changed when a late tensor is bad."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mergestream import engine, residuals, stream
+from mergestream.checkpoints import Checkpoint, content_sha256, open_checkpoint, read_state_dict
+from mergestream.errors import FrozenTensorMismatchError, NonFiniteError
+from mergestream.patches import weights_sha256
+from mergestream.state import StateDir
+
+from .conftest import perturb, random_model, save_tensors
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return residuals.bits(t) if t.is_floating_point() else t
+
+
+def _same_bytes(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(_bits(a[k]), _bits(b[k])), k
+
+
+def _wide_model(seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Weights of mixed magnitudes (many near zero, where a residual is often inexact) and a 0-d tensor."""
+    t = random_model(seed, dtype, m=64, n=48)
+    g = torch.Generator().manual_seed(seed + 100)
+    t["layer.1.weight"] = (torch.randn(64, 48, generator=g) * torch.logspace(-6, 0, 48)).to(dtype)
+    t["bn.num_batches_tracked"] = torch.tensor(7)
+    t["scale"] = torch.tensor(0.5, dtype=dtype)
+    return t
+
+
+@pytest.mark.parametrize("policy,params", [("task_arithmetic", {"lambda": 0.7}), ("ties", {"k": 30}),
+                                           ("safe_merge", {"steps": 2, "k": 4, "k_s": 4, "rank": 2})])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_subtract_of_the_latest_fold_restores_bytes_over_25_cycles(tmp_path, dtype, policy, params):
+    """fold X, subtract X, 25 times, on top of an earlier fold: the backbone comes back byte for byte
+    every time (the applied residual is stored, not the pre-rounding Δ), so nothing drifts."""
+    base = _wide_model(0, dtype)
+    bpath = save_tensors(tmp_path / "base.safetensors", base)
+    first = save_tensors(tmp_path / "first.safetensors", perturb(base, 0.05, 1))
+    state = tmp_path / "state"
+    engine.fold(bpath, None, first, policy, params, state_dir=state, out=tmp_path / "v0")
+    start = read_state_dict(tmp_path / "v0")
+    current = tmp_path / "v0"
+    for i in range(25):
+        e = save_tensors(tmp_path / f"x{i}.safetensors", perturb(base, 0.05 * (1 + i % 3), 10 + i))
+        engine.fold(bpath, current, e, policy, params, state_dir=state, out=tmp_path / f"f{i}")
+        engine.unmerge(state, f"x{i}", "subtract", out=tmp_path / f"u{i}")
+        _same_bytes(read_state_dict(tmp_path / f"u{i}"), start)
+        current = tmp_path / f"u{i}"
+    assert StateDir(state).manifest.ids() == ["first"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_subtract_of_an_earlier_fold_is_within_one_ulp(tmp_path, dtype):
+    """Removing an earlier fold: rd(θ − r) with r the stored residual, within one unit in the last
+    place of the storage dtype of the exact θ − r, on every element; removing the last one left
+    gives θ₀ exactly."""
+    base = _wide_model(0, dtype)
+    bpath = save_tensors(tmp_path / "base.safetensors", base)
+    es = [save_tensors(tmp_path / f"e{i}.safetensors", perturb(base, 0.05, i + 1)) for i in range(3)]
+    state, prev = tmp_path / "state", None
+    for i, e in enumerate(es):
+        engine.fold(bpath, prev, e, "task_arithmetic", {"lambda": 0.5}, state_dir=state, out=tmp_path / f"v{i}")
+        prev = tmp_path / f"v{i}"
+    sd = StateDir(state)
+    contrib = residuals.ResidualReader(state / sd.manifest.folds[0].contribution)
+    cur = read_state_dict(prev)
+    stored = {k: contrib.get(k)[0] for k, v in cur.items() if v.is_floating_point()}
+    contrib.close()
+    engine.unmerge(state, "e0", "subtract", out=tmp_path / "minus0")
+    got = read_state_dict(tmp_path / "minus0")
+    for k, v in cur.items():
+        if not v.is_floating_point():
+            assert torch.equal(got[k], v)
+            continue
+        r = stored[k]
+        exact = v.double() - r.double()
+        ulp = torch.finfo(dtype).eps * exact.abs().clamp_min(torch.finfo(dtype).tiny)
+        assert ((got[k].double() - exact).abs() <= ulp * 1.0001).all(), k
+    assert not any(f.exact_restore for f in StateDir(state).manifest.folds)  # backbone is no fold's output now
+    engine.unmerge(state, "e1", "subtract", out=tmp_path / "minus01")
+    engine.unmerge(state, "e2", "subtract", out=tmp_path / "empty")
+    _same_bytes(read_state_dict(tmp_path / "empty"), base)
+
+
+def test_replay_is_byte_exact(tmp_path):
+    base = _wide_model(0, torch.bfloat16)
+    bpath = save_tensors(tmp_path / "base.safetensors", base)
+    es = [save_tensors(tmp_path / f"e{i}.safetensors", perturb(base, 0.05, i + 1)) for i in range(3)]
+    state, prev = tmp_path / "state", None
+    for i, e in enumerate(es):
+        engine.fold(bpath, prev, e, "ties", {"k": 40}, state_dir=state, out=tmp_path / f"v{i}")
+        prev = tmp_path / f"v{i}"
+    engine.unmerge(state, "e1", "replay", out=tmp_path / "replayed")
+    s2, prev = tmp_path / "s2", None
+    for i in (0, 2):
+        engine.fold(bpath, prev, es[i], "ties", {"k": 40}, state_dir=s2, out=tmp_path / f"w{i}")
+        prev = tmp_path / f"w{i}"
+    _same_bytes(read_state_dict(tmp_path / "replayed"), read_state_dict(prev))
+
+
+class _CountingCheckpoint:
+    """Count the tensor bytes every reader of the fold pulls from each file (patched class)."""
+
+    reads: dict[str, int] = {}
+
+    @classmethod
+    def install(cls, monkeypatch):
+        cls.reads = {}
+        orig = Checkpoint.read_into
+
+        def read_into(self, name, out, start=0):
+            key = str(self._entries[name].file) if self._entries else str(self.path)
+            cls.reads[key] = cls.reads.get(key, 0) + out.numel()
+            return orig(self, name, out, start)
+
+        monkeypatch.setattr(Checkpoint, "read_into", read_into)
+
+
+@pytest.mark.parametrize("policy", ["task_arithmetic", "ties", "mdm_oc"])
+def test_the_expert_is_read_once_per_fold(tmp_path, monkeypatch, policy):
+    """Validation, finiteness, frozen tensors and the content hash ride on the fold's own pass: the
+    expert file's tensor bytes are read exactly once (counted through the reader)."""
+    base = _wide_model(0, torch.bfloat16)
+    bpath = save_tensors(tmp_path / "base.safetensors", base)
+    epath = save_tensors(tmp_path / "e.safetensors", perturb(base, 0.05, 1))
+    _CountingCheckpoint.install(monkeypatch)
+    rep = engine.fold(bpath, None, epath, policy, state_dir=tmp_path / "s", out=tmp_path / "o", threads=2)
+    data_bytes = sum(v.nbytes for v in base.values())
+    assert _CountingCheckpoint.reads[str(epath)] == data_bytes
+    assert rep.sha256 == [content_sha256(epath)] == [weights_sha256(epath)]
+
+
+def test_content_hash_is_one_definition(tmp_path):
+    """The fold's on-the-fly hash, the ledger's (content_sha256), the manifest's, the output
+    metadata's and the patches' weights hash agree; it ignores sharding and file names."""
+    base = _wide_model(0, torch.float16)
+    bpath = save_tensors(tmp_path / "base.safetensors", base)
+    expert = perturb(base, 0.05, 3)
+    single = save_tensors(tmp_path / "one" / "model.safetensors", expert).parent
+    from mergestream.writers import ModelWriter
+
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    ck = open_checkpoint(single)
+    w = ModelWriter(sharded, list(reversed(ck.metas())), {"format": "pt"}, max_shard_bytes=4000)
+    for m in ck.metas():
+        w.write(m.name, ck.get(m.name))
+    w.close()
+    assert content_sha256(single) == content_sha256(sharded) == weights_sha256(sharded) == ck.sha256()
+    rep = engine.fold(bpath, None, sharded, "task_arithmetic", state_dir=tmp_path / "s", out=tmp_path / "o")
+    assert rep.sha256 == [content_sha256(single)]
+    assert StateDir(tmp_path / "s").manifest.folds[0].sha256 == content_sha256(single)
+    md = open_checkpoint(tmp_path / "o").metadata()
+    assert json.loads(md["mergestream.expert_sha256"]) == [content_sha256(single)]
+
+
+@pytest.mark.parametrize("bad", ["nan_last", "inf_middle", "frozen_last"])
+@pytest.mark.parametrize("policy", ["task_arithmetic", "ties"])
+def test_a_bad_tensor_late_in_the_file_leaves_no_output_and_the_state_unchanged(tmp_path, bad, policy):
+    base = _wide_model(0, torch.bfloat16)
+    bpath = save_tensors(tmp_path / "base.safetensors", base)
+    good = save_tensors(tmp_path / "good.safetensors", perturb(base, 0.05, 1))
+    state = tmp_path / "state"
+    engine.fold(bpath, None, good, policy, state_dir=state, out=tmp_path / "v1")
+    before = {p.name: p.read_bytes() for p in state.rglob("*") if p.is_file()}
+    e = perturb(base, 0.05, 2)
+    last = sorted(k for k, v in e.items() if v.is_floating_point())[-1]
+    if bad == "nan_last":
+        e[last].view(-1)[-1] = float("nan")
+        err = NonFiniteError
+    elif bad == "inf_middle":
+        e["layer.0.mlp.weight"].view(-1)[5] = float("inf")
+        err = NonFiniteError
+    else:
+        e["position_ids"] = e["position_ids"] + 1
+        err = FrozenTensorMismatchError
+    epath = save_tensors(tmp_path / "bad.safetensors", e)
+    with pytest.raises(err):
+        engine.fold(bpath, tmp_path / "v1", epath, policy, state_dir=state, out=tmp_path / "v2")
+    assert not (tmp_path / "v2").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".v2")]  # no staging left over
+    after = {p.name: p.read_bytes() for p in state.rglob("*") if p.is_file()}
+    assert after == before
+
+
+def test_an_expert_that_changed_since_it_was_registered_is_refused(tmp_path):
+    base = _wide_model(0, torch.float32)
+    bpath = save_tensors(tmp_path / "base.safetensors", base)
+    epath = save_tensors(tmp_path / "e.safetensors", perturb(base, 0.05, 1))
+    registered = content_sha256(epath)
+    save_tensors(epath, perturb(base, 0.05, 2))
+    with pytest.raises(Exception, match="changed since it was registered"):
+        engine.fold(bpath, None, epath, "task_arithmetic", state_dir=tmp_path / "s", out=tmp_path / "o",
+                    expect_sha256=registered)
+    assert not (tmp_path / "o").exists() and not (tmp_path / "s" / "manifest.json").exists()
+
+
+def test_chunked_task_arithmetic_equals_the_whole_tensor_path(tmp_path, monkeypatch):
+    """The element-wise fast path (chunks, reused buffers, threads) gives the same bytes as the
+    generic per-tensor path of the policy."""
+    base = _wide_model(0, torch.bfloat16)
+    bpath = save_tensors(tmp_path / "base.safetensors", base)
+    e1 = save_tensors(tmp_path / "e1.safetensors", perturb(base, 0.05, 1))
+    e2 = save_tensors(tmp_path / "e2.safetensors", perturb(base, 0.05, 2))
+    monkeypatch.setattr(stream, "CHUNK_ELEMENTS", 1000)  # many chunks per tensor
+    engine.fold(bpath, None, e1, "task_arithmetic", {"lambda": 0.3}, state_dir=tmp_path / "a", out=tmp_path / "a1",
+                threads=3)
+    engine.fold(bpath, tmp_path / "a1", e2, "task_arithmetic", {"lambda": 0.3}, state_dir=tmp_path / "a",
+                out=tmp_path / "a2", threads=3)
+    from mergestream.policies import TaskArithmetic
+
+    monkeypatch.setattr(TaskArithmetic, "linear_scale", lambda self: None)
+    engine.fold(bpath, None, e1, "task_arithmetic", {"lambda": 0.3}, state_dir=tmp_path / "b", out=tmp_path / "b1")
+    engine.fold(bpath, tmp_path / "b1", e2, "task_arithmetic", {"lambda": 0.3}, state_dir=tmp_path / "b",
+                out=tmp_path / "b2")
+    _same_bytes(read_state_dict(tmp_path / "a2"), read_state_dict(tmp_path / "b2"))
