@@ -87,6 +87,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_WORKDIR = Path("/tmp/mergestream-bench")
 DEFAULT_JSON = REPO / "bench" / "results" / "fold_speed.json"
+DEFAULT_MD = REPO / "bench" / "results" / "fold_speed.md"
 DEFAULT_MERGESTREAM = REPO / ".venv" / "bin" / "mergestream"
 DEFAULT_MERGEKIT_VENV = Path("/tmp/mergekit-venv")
 CONSTRAINTS = REPO / "constraints.txt"
@@ -175,7 +176,9 @@ class LlamaShape:
 SIZES: dict[str, LlamaShape] = {
     "50MB": LlamaShape(hidden=512, intermediate=1408, layers=6, vocab=8000, heads=8, kv_heads=2),
     "0.5GB": LlamaShape(hidden=1024, intermediate=2816, layers=17, vocab=32000, heads=16, kv_heads=4),
+    "1GB": LlamaShape(hidden=2048, intermediate=5504, layers=9, vocab=32000, heads=32, kv_heads=4),
     "2GB": LlamaShape(hidden=2048, intermediate=5632, layers=20, vocab=32000, heads=32, kv_heads=4),
+    "4GB": LlamaShape(hidden=2048, intermediate=5632, layers=42, vocab=32000, heads=32, kv_heads=4),
 }
 
 BASE_STD = 0.02  # θ₀ ~ N(0, 0.02²) for matrices, 1 for norms
@@ -443,6 +446,9 @@ def format_table(rows: list[Row]) -> str:
             secs = f"failed[{len(notes)}]"
         else:
             secs = _fmt(r.seconds, ".2f") + ("*" if r.extra.get("contended") else "")
+            sp = r.extra.get("spread", {}).get("seconds")
+            if sp and len(r.extra.get("samples", [])) > 1:
+                secs += f" ({sp['min']:.2f}-{sp['max']:.2f})"
         lines.append([r.size, f"{r.model_bytes / GB:.3f}", r.tool, r.policy, r.params, secs,
                       _fmt(r.input_gb_s, ".3f"), _fmt(r.peak_rss_mib, ".0f"),
                       "-" if r.written_bytes is None else f"{r.written_bytes / GB:.2f}",
@@ -509,18 +515,22 @@ def floor_child(argv: list[str]) -> int:
     return 0
 
 
-def run_mergestream(ctx: SizeContext, policy: str, sets: dict[str, str], note: str = "") -> Row:
-    """One first fold with ``mergestream fold`` in a fresh state and output folder."""
-    tag = f"{ctx.size}-mergestream-{policy}"
-    state, out = ctx.scratch / f"{tag}-state", ctx.scratch / f"{tag}-out"
-    for p in (state, out):
+def run_mergestream(ctx: SizeContext, policy: str, sets: dict[str, str], note: str = "", later: bool = False) -> Row:
+    """One fold with ``mergestream fold`` in a fresh state and output folder: the first fold, or
+    (``later``) a second fold onto the output of an untimed first fold (θ_{t−1} ≠ θ₀)."""
+    tag = f"{ctx.size}-mergestream-{policy}" + ("-later" if later else "")
+    state, out, first = ctx.scratch / f"{tag}-state", ctx.scratch / f"{tag}-out", ctx.scratch / f"{tag}-first"
+    for p in (state, out, first):
         shutil.rmtree(p, ignore_errors=True)
-    cmd = [str(ctx.args.mergestream), "fold", "--base", str(ctx.base), "--expert", str(ctx.expert),
-           "--policy", policy, "--state", str(state), "--out", str(out), "--json",
-           "--threads", str(ctx.args.threads)]
-    for k, v in sets.items():
-        cmd += ["--set", f"{k}={v}"]
-    row = ctx.row("mergestream", policy, "")
+    setargs = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+    common = [str(ctx.args.mergestream), "fold", "--base", str(ctx.base), "--expert", str(ctx.expert),
+              "--policy", policy, "--state", str(state), "--threads", str(ctx.args.threads), "--quiet", *setargs]
+    if later:
+        subprocess.run([*common, "--out", str(first), "--id", "first"], check=True, capture_output=True,
+                       env=ctx.args.mergestream_env)
+        common += ["--backbone", str(first), "--id", "second"]
+    cmd = [*common, "--out", str(out), "--json"]
+    row = ctx.row("mergestream", policy + (" (later fold)" if later else ""), "")
     row.extra["waited_for_idle_s"] = round(ctx.prepare(), 1)
     m = run_measured(cmd, ctx.logs, tag, env=ctx.args.mergestream_env, timeout=ctx.args.timeout)
     row.written_bytes = tree_bytes(state, out)
@@ -544,7 +554,11 @@ def run_mergestream(ctx: SizeContext, policy: str, sets: dict[str, str], note: s
                  for k in SHOWN_PARAMS.get(policy, ()) if k in params]
         row.params = " ".join(shown) + (f" ({note})" if note else "")
     shutil.rmtree(state, ignore_errors=True)
-    ctx.keep_or_drop(f"mergestream-{policy}", out)
+    shutil.rmtree(first, ignore_errors=True)
+    if later:
+        shutil.rmtree(out, ignore_errors=True)
+    else:
+        ctx.keep_or_drop(f"mergestream-{policy}", out)
     return row
 
 
@@ -790,6 +804,31 @@ def machine_info(args: argparse.Namespace) -> dict[str, Any]:
     return info
 
 
+def summarize(rows: list[Row]) -> Row:
+    """One row from several runs of it: the median run's figures (seconds, CPU, RSS are medians
+    over the successful runs), min/median/max of each in ``extra.spread``, every run in
+    ``extra.samples``. A failed run makes the row failed."""
+    bad = [r for r in rows if r.error]
+    if bad:
+        return bad[0]
+    ordered = sorted(rows, key=lambda r: r.seconds)
+    mid = ordered[len(ordered) // 2]
+    out = Row(**{k: v for k, v in asdict(mid).items()})
+    spread = {}
+    for key in ("seconds", "cpu_seconds", "peak_rss_mib", "other_cores"):
+        vals = sorted(getattr(r, key) for r in rows if getattr(r, key) is not None)
+        if vals:
+            med = vals[len(vals) // 2] if len(vals) % 2 else (vals[len(vals) // 2 - 1] + vals[len(vals) // 2]) / 2
+            spread[key] = {"min": vals[0], "median": round(med, 3), "max": vals[-1]}
+            setattr(out, key, round(med, 3))
+    if out.seconds:
+        out.input_gb_s = round(out.input_bytes / GB / out.seconds, 3)
+    out.extra["spread"] = spread
+    out.extra["samples"] = [{"seconds": r.seconds, "cpu_seconds": r.cpu_seconds, "peak_rss_mib": r.peak_rss_mib,
+                             "other_cores": r.other_cores} for r in rows]
+    return out
+
+
 def best_of(n: int, run, max_load: float = math.inf, load_retries: int = 0) -> Row:
     """Call ``run()`` ``n`` times and keep the fastest successful row (samples go to ``extra``).
 
@@ -903,7 +942,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="extra policy parameter, e.g. safe_merge:steps=10 (repeatable)")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                    help="dtype of the synthetic checkpoints")
-    p.add_argument("--threads", type=int, default=1, help="mergestream fold --threads")
+    p.add_argument("--threads", type=int, default=0, help="mergestream fold --threads (0: its auto default)")
     p.add_argument("--no-mergekit", action="store_true", help="skip the mergekit rows")
     p.add_argument("--no-floor", action="store_true", help="skip the floor rows")
     p.add_argument("--mergekit-venv", type=Path, default=DEFAULT_MERGEKIT_VENV)
@@ -917,7 +956,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--safe-budget", type=float, default=600.0,
                    help="seconds above which SAFE-Merge on a larger size runs with fewer steps")
     p.add_argument("--safe-steps", type=int, help="force SAFE-Merge's steps on every size")
-    p.add_argument("--repeat", type=int, default=1, help="runs per row; the fastest is kept (all in the JSON)")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="runs per row, in rounds over all rows of a size (pairs in turn); each row "
+                        "reports the median with min-max (all samples in the JSON)")
+    p.add_argument("--repeat-slow", type=int, default=1,
+                   help="runs per row for SAFE-Merge and MDM-OC (minutes each on 2 cores)")
+    p.add_argument("--md", type=Path, default=DEFAULT_MD, help="markdown table (default: %(default)s)")
     p.add_argument("--wait-idle", type=float,
                    help="before each run, wait up to this many seconds for other processes to go quiet "
                         "(default 300; 0 with --quick)")
@@ -966,21 +1010,30 @@ def main(argv: list[str] | None = None) -> int:
             results.doc["mergekit"]["version"] = _pip_version(args.mergekit_venv, "mergekit")
     previous = results.resume(args.mergestream_source) if args.resume else {}
     safe_rate: float | None = None
-    retry = (args.max_other_load, args.load_retries)
 
-    def measure(ctx: SizeContext, tool: str, policy: str, params: str, run) -> Row:
-        """Run one row (or take it from the file being resumed) and record it."""
-        key = row_key(ctx.size, tool, policy, params)
-        if key in previous:
-            row = previous[key]
-            out = ctx.scratch / f"{ctx.size}-{tool}-{policy}-out"
-            if policy in MERGEKIT_METHODS and out.is_dir():
-                ctx.kept[f"{tool}-{policy}"] = out
-            _log(f"{ctx.size} {tool} {policy}: kept from {args.json}")
-        else:
-            row = best_of(args.repeat, run, *retry)
-        results.add(row, quiet=key in previous)
-        return row
+    def planned(ctx: SizeContext) -> list[tuple[tuple, Any, int]]:
+        """(row key, run, repeats) of one size, in the order of a round."""
+        plan: list[tuple[tuple, Any, int]] = []
+        if not args.no_floor:
+            for fsync in (True, False):
+                plan.append((row_key(ctx.size, "floor", "read+copy", "fsync" if fsync else "no fsync"),
+                             lambda fsync=fsync: run_floor(ctx, fsync), args.repeat))
+        for policy in args.policies:
+            sets, note = dict(args.policy_sets.get(policy, {})), ""
+            if policy == "safe_merge":
+                sets, note = safe_merge_plan(args, ctx.model_bytes, safe_rate)
+            slow = policy in ("safe_merge", "mdm_oc")
+            plan.append((row_key(ctx.size, "mergestream", policy, ""),
+                         lambda p=policy, s=sets, n=note: run_mergestream(ctx, p, s, n),
+                         args.repeat_slow if slow else args.repeat))
+            if policy == "task_arithmetic":
+                plan.append((row_key(ctx.size, "mergestream", policy + " (later fold)", ""),
+                             lambda p=policy, s=sets: run_mergestream(ctx, p, s, later=True), args.repeat))
+        if not args.no_mergekit:
+            for method in MERGEKIT_METHODS:
+                plan.append((row_key(ctx.size, "mergekit", method, ""),
+                             lambda m=method: run_mergekit(ctx, m, mk_exe, mk_why), args.repeat))
+        return plan
 
     for size in sizes:
         base, expert, spec = ensure_models(args.workdir, size, args.dtype)
@@ -992,26 +1045,31 @@ def main(argv: list[str] | None = None) -> int:
         scratch.mkdir(parents=True, exist_ok=True)
         ctx = SizeContext(size, args, base, expert, inputs, model_bytes, scratch, args.workdir / "logs")
         _log(f"== {size}: {model_bytes / GB:.3f} GB per checkpoint, {len(inputs)} input files")
-        if not args.no_floor:
-            for fsync in (True, False):
-                measure(ctx, "floor", "read+copy", "fsync" if fsync else "no fsync", lambda: run_floor(ctx, fsync))
-        for policy in args.policies:
-            sets, note = dict(args.policy_sets.get(policy, {})), ""
-            if policy == "safe_merge":
-                sets, note = safe_merge_plan(args, model_bytes, safe_rate)
-            row = measure(ctx, "mergestream", policy, "", lambda: run_mergestream(ctx, policy, sets, note))
-            steps = row.extra.get("policy_params", {}).get("steps")
-            if policy == "safe_merge" and not row.error and steps == SAFE_DEFAULT_STEPS:
+        plan = planned(ctx)
+        samples: dict[tuple, list[Row]] = {key: [] for key, _, _ in plan}
+        # rounds: every row once per round, so that the rows compared are measured side by side
+        for rnd in range(max(n for _, _, n in plan)):
+            for key, run, n in plan:
+                if key in previous or rnd >= n or any(r.error for r in samples[key]):
+                    continue
+                ctx.prepare()
+                row = run()
+                samples[key].append(row)
+                _log(f"{size} {key[1]} {key[2]} round {rnd + 1}: "
+                     + (row.error.splitlines()[0][:200] if row.error else f"{row.seconds:.2f} s"))
+        for key, _, _ in plan:
+            row = previous[key] if key in previous else summarize(samples[key])
+            results.add(row, quiet=key in previous)
+            if key[2] == "safe_merge" and not row.error and \
+                    row.extra.get("policy_params", {}).get("steps") == SAFE_DEFAULT_STEPS:
                 safe_rate = row.seconds / model_bytes
-        if not args.no_mergekit:
-            for method in MERGEKIT_METHODS:
-                measure(ctx, "mergekit", method, "", lambda: run_mergekit(ctx, method, mk_exe, mk_why))
         for method in MERGEKIT_METHODS:
             ours, theirs = ctx.kept.get(f"mergestream-{method}"), ctx.kept.get(f"mergekit-{method}")
             if ours and theirs:
                 results.doc["agreement"].setdefault(size, {})[method] = compare_outputs(base, ours, theirs)
                 results.save()
         ctx.cleanup()
+        write_markdown(args.md, results)
     print(format_table(results.rows))
     if results.doc["agreement"]:
         print("\nagreement with mergekit (probe tensors; rel = |ours - theirs| / |ours - base|):")
@@ -1024,6 +1082,67 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  {size} {method}: worst rel {worst:.3g}, max |diff| {mad:.3g} over {len(vals)} tensors")
     print(f"\nJSON: {args.json}")
     return 0 if not any(r.error for r in results.rows) else 1
+
+
+def write_markdown(path: Path, results: Results) -> None:
+    """bench/results/fold_speed.md: the machine, the table (median and min-max of every figure)
+    and the ratios the streaming-core issue targets, from the JSON's rows."""
+    doc = results.doc
+    m = doc["machine"]
+    lines = ["# Fold speed: mergestream vs mergekit vs the copy floor", "",
+             f"Generated by `bench/fold_speed.py` ({' '.join(doc['argv'][1:]) or 'defaults'}), "
+             f"{doc.get('finished', '')}. Machine: {m.get('cpus')} CPUs, {m.get('mem_total_gib')} GiB, "
+             f"Python {m.get('python')}, torch {m.get('torch')}; mergestream {doc['mergestream'].get('commit') or doc['mergestream'].get('head')}"
+             f", mergekit {(doc.get('mergekit') or {}).get('version')}.", "",
+             "Every row: a fresh child process (interpreter start and imports included), page cache warm; "
+             "rows of a size run in rounds (each row once per round), figures are the median over the "
+             "rounds with min-max. mergestream fsyncs its output and state, mergekit does not.", "",
+             "| size | tool | policy | params | wall s median (min-max) | CPU s median (min-max) | "
+             "peak RSS MiB median (min-max) | written GB | runs |",
+             "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+
+    def cell(r: Row, key: str, spec: str) -> str:
+        sp = r.extra.get("spread", {}).get(key)
+        v = getattr(r, key)
+        if v is None:
+            return "-"
+        return f"{v:{spec}}" + (f" ({sp['min']:{spec}}-{sp['max']:{spec}})" if sp and sp["min"] != sp["max"] else "")
+
+    for r in results.rows:
+        if r.error:
+            lines.append(f"| {r.size} | {r.tool} | {r.policy} | {r.params} | failed: {r.error.splitlines()[0][:80]} "
+                         "| | | | |")
+            continue
+        lines.append(f"| {r.size} | {r.tool} | {r.policy} | {r.params} | {cell(r, 'seconds', '.2f')} | "
+                     f"{cell(r, 'cpu_seconds', '.1f')} | {cell(r, 'peak_rss_mib', '.0f')} | "
+                     f"{(r.written_bytes or 0) / GB:.2f} | {len(r.extra.get('samples', [])) or 1} |")
+    lines += ["", "## Ratios (medians, same run)", "",
+              "| size | TA / mergekit TA | TA CPU / mergekit CPU | TA / copy floor (fsync) | later TA / mergekit TA | "
+              "TIES / mergekit TIES | MDM-OC / TA | SAFE-Merge / TA |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    by = {(r.size, r.tool, r.policy, r.params if r.tool == "floor" else ""): r for r in results.rows if not r.error}
+    for size in dict.fromkeys(r.size for r in results.rows):
+        def sec(tool, policy, params=""):
+            r = by.get((size, tool, policy, params))
+            return r.seconds if r else None
+
+        def cpu(tool, policy):
+            r = by.get((size, tool, policy, ""))
+            return r.cpu_seconds if r else None
+
+        def ratio(a, b):
+            return f"{a / b:.2f}" if a and b else "-"
+
+        ta = sec("mergestream", "task_arithmetic")
+        safe = by.get((size, "mergestream", "safe_merge", ""))
+        lines.append(f"| {size} | {ratio(ta, sec('mergekit', 'task_arithmetic'))} | "
+                     f"{ratio(cpu('mergestream', 'task_arithmetic'), cpu('mergekit', 'task_arithmetic'))} | "
+                     f"{ratio(ta, sec('floor', 'read+copy', 'fsync'))} | "
+                     f"{ratio(sec('mergestream', 'task_arithmetic (later fold)'), sec('mergekit', 'task_arithmetic'))} | "
+                     f"{ratio(sec('mergestream', 'ties'), sec('mergekit', 'ties'))} | "
+                     f"{ratio(sec('mergestream', 'mdm_oc'), ta)} | "
+                     f"{ratio(safe.seconds if safe else None, ta)}{' (' + safe.params + ')' if safe else ''} |")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
 
 
 def _pip_version(venv: Path, package: str) -> str | None:

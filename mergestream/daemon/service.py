@@ -38,6 +38,10 @@ from .tracking import Tracker
 log = logging.getLogger("mergestream.service")
 
 
+#: rows registered with the one content hash say so (rows of older versions used a file hash)
+_HASH_KEY, _HASH_KIND = "mergestream.hash", "weights/1"
+
+
 class _PreStepRejected(MergestreamError):
     """A pre-step (RI) refused the expert; it is rejected with this reason."""
 
@@ -239,7 +243,8 @@ class Service:
             self.metrics.source_errors.labels(source=ev.source).inc()
             log.warning("cannot read expert %s: %s", ev.uri, exc)
             return
-        row, new = self.ledger.enqueue(ev.expert_id, ev.source, ev.uri, sha, ev.registry_key, dict(ev.metadata))
+        meta = {**dict(ev.metadata), _HASH_KEY: _HASH_KIND}
+        row, new = self.ledger.enqueue(ev.expert_id, ev.source, ev.uri, sha, ev.registry_key, meta)
         if ev.registry_key and ev.registry_key.startswith("mlflow:"):
             _, model, version = ev.registry_key.split(":", 2)
             if int(version) > self._last_registry_version(model):
@@ -336,7 +341,8 @@ class Service:
                               out=staging / "model", expert_id=row.expert_id, device=self.cfg.device,
                               threads=self.cfg.fold_threads, max_shard_bytes=self.cfg.max_shard_bytes,
                               tensor_hook=hook, objective=objective,
-                              expect_sha256=row.sha256 if src == row.uri else None)
+                              expect_sha256=row.sha256 if src == row.uri and
+                              row.metadata.get(_HASH_KEY) == _HASH_KIND else None)
             timings["fold_seconds"] = rep.seconds
             self.metrics.bytes_read.inc(rep.bytes_read)
             self.metrics.bytes_written.inc(rep.bytes_written)
