@@ -18,7 +18,9 @@ input GB/s = (base bytes + expert bytes) / seconds (the *logical* input, whateve
 the child's peak RSS (``ru_maxrss`` as reported by GNU ``time -f %M`` wrapped around that very
 child, so rows never leak into each other, nor this driver's own memory), and the bytes the run
 left on disk (output + policy state). mergestream rows also keep the engine's own in-process
-seconds from ``fold --json``. ``--repeat N`` keeps the fastest of N runs per row.
+seconds from ``fold --json``. ``--repeat N`` (default 3) runs every row N times, in rounds over the
+rows of a size (so the rows compared are measured side by side, pairs in turn), and reports the
+median with min and max; ``--repeat-slow`` sets N for SAFE-Merge and MDM-OC.
 
 The machine may be shared (2 cores here; tests may run next to the benchmark). Each row also
 records the child's CPU seconds and the average number of cores that everything else kept busy
@@ -732,7 +734,8 @@ class Results:
                 "input GB/s: (base bytes + expert bytes) / seconds, 1 GB = 1e9 bytes",
                 "peak RSS: ru_maxrss of the measured process (GNU time -f %M; without it, os.wait4, "
                 "which includes this driver's RSS at fork); mmap-resident file pages count",
-                "with --repeat N, each row is the fastest of N runs (samples in extra.samples)",
+                "with --repeat N, each row is the median of N runs made in rounds over the rows of its "
+                "size (min/median/max in extra.spread, every run in extra.samples)",
                 "page cache warm for every row: inputs are read once before each timed run",
                 "mergestream fsyncs its output and state; mergekit does not",
                 "written GB: bytes left on disk by the run (output + policy state folder)",
@@ -827,38 +830,6 @@ def summarize(rows: list[Row]) -> Row:
     out.extra["samples"] = [{"seconds": r.seconds, "cpu_seconds": r.cpu_seconds, "peak_rss_mib": r.peak_rss_mib,
                              "other_cores": r.other_cores} for r in rows]
     return out
-
-
-def best_of(n: int, run, max_load: float = math.inf, load_retries: int = 0) -> Row:
-    """Call ``run()`` ``n`` times and keep the fastest successful row (samples go to ``extra``).
-
-    A run during which other processes kept more than ``max_load`` cores busy is repeated, at
-    most ``load_retries`` extra times; if every run was contended the row says so
-    (``extra.contended``). The first failure stops the repetition.
-    """
-    rows: list[Row] = []
-    clean = 0
-    retries = 0
-    while clean < max(1, n):
-        row = run()
-        rows.append(row)
-        if row.error:
-            return row
-        if (row.other_cores or 0.0) <= max_load:
-            clean += 1
-        elif retries < load_retries:
-            retries += 1
-            _log(f"other processes kept {row.other_cores:.2f} cores busy during that run; running it again")
-        else:
-            break
-    calm = [r for r in rows if (r.other_cores or 0.0) <= max_load]
-    best = min(calm or rows, key=lambda r: r.seconds)
-    if not calm:
-        best.extra["contended"] = True
-    if len(rows) > 1:
-        best.extra["samples"] = [{"seconds": r.seconds, "peak_rss_mib": r.peak_rss_mib,
-                                  "other_cores": r.other_cores} for r in rows]
-    return best
 
 
 def git(*args: str) -> str:
@@ -962,6 +933,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat-slow", type=int, default=1,
                    help="runs per row for SAFE-Merge and MDM-OC (minutes each on 2 cores)")
     p.add_argument("--md", type=Path, default=DEFAULT_MD, help="markdown table (default: %(default)s)")
+    p.add_argument("--ta-only-sizes", nargs="*", default=[], choices=list(SIZES), metavar="SIZE",
+                   help="sizes that run only the floor and mergestream Task Arithmetic rows (the "
+                        "scaling check on a large model)")
     p.add_argument("--wait-idle", type=float,
                    help="before each run, wait up to this many seconds for other processes to go quiet "
                         "(default 300; 0 with --quick)")
@@ -1018,7 +992,8 @@ def main(argv: list[str] | None = None) -> int:
             for fsync in (True, False):
                 plan.append((row_key(ctx.size, "floor", "read+copy", "fsync" if fsync else "no fsync"),
                              lambda fsync=fsync: run_floor(ctx, fsync), args.repeat))
-        for policy in args.policies:
+        ta_only = ctx.size in args.ta_only_sizes
+        for policy in (["task_arithmetic"] if ta_only else args.policies):
             sets, note = dict(args.policy_sets.get(policy, {})), ""
             if policy == "safe_merge":
                 sets, note = safe_merge_plan(args, ctx.model_bytes, safe_rate)
@@ -1029,7 +1004,7 @@ def main(argv: list[str] | None = None) -> int:
             if policy == "task_arithmetic":
                 plan.append((row_key(ctx.size, "mergestream", policy + " (later fold)", ""),
                              lambda p=policy, s=sets: run_mergestream(ctx, p, s, later=True), args.repeat))
-        if not args.no_mergekit:
+        if not args.no_mergekit and not ta_only:
             for method in MERGEKIT_METHODS:
                 plan.append((row_key(ctx.size, "mergekit", method, ""),
                              lambda m=method: run_mergekit(ctx, m, mk_exe, mk_why), args.repeat))
@@ -1052,8 +1027,7 @@ def main(argv: list[str] | None = None) -> int:
             for key, run, n in plan:
                 if key in previous or rnd >= n or any(r.error for r in samples[key]):
                     continue
-                ctx.prepare()
-                row = run()
+                row = run()  # each run warms the page cache and waits for quiet itself
                 samples[key].append(row)
                 _log(f"{size} {key[1]} {key[2]} round {rnd + 1}: "
                      + (row.error.splitlines()[0][:200] if row.error else f"{row.seconds:.2f} s"))

@@ -16,7 +16,7 @@ byte for byte. For an earlier fold the listed entries are not used, and the resu
 unit in the last place of the storage dtype of θ − r. Files of format 1 (a float32 Δ per tensor,
 no exception lists) are still read.
 
-Fold paths: :meth:`ResidualWriter.add` for whole tensors; :func:`fold_linear` folds a
+Fold paths: :meth:`ResidualWriter.add` for whole tensors (computed in chunks); :func:`fold_linear` folds a
 :meth:`~mergestream.policies.Policy.linear_scale` policy (Task Arithmetic) in chunks of
 :data:`~mergestream.stream.CHUNK_ELEMENTS` elements, computing the residual on the way.
 """
@@ -66,28 +66,6 @@ def header_room(metas: list[TensorMeta], fields: int) -> int:
     return 4096 + sum((len(m.name.encode()) + 160) * fields for m in metas)
 
 
-def residual(out_s: torch.Tensor, prev_s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """The applied residual and where it does not restore exactly.
-
-    Args:
-        out_s: θ_t in the storage dtype. prev_s: θ_{t−1}, same shape and dtype (any device).
-
-    Returns:
-        ``(r, index, value)``: r = rd(θ_t − θ_{t−1}) (storage dtype, ``out_s``'s shape); ``index``
-        (int64, flat C-order) and ``value`` (storage dtype) of the entries where
-        ``rd(θ_t − r) != θ_{t−1}`` bit for bit, or ``(r, None, None)`` when there are none.
-    """
-    m = math_dtype(out_s.dtype)
-    prev_s = prev_s.to(out_s.device)
-    out_f = out_s.to(m)
-    r = (out_f - prev_s.to(m)).to(out_s.dtype)
-    back = (out_f - r.to(m)).to(out_s.dtype)
-    if same_bits(back, prev_s):
-        return r, None, None
-    idx = (bits(back) != bits(prev_s)).reshape(-1).nonzero().squeeze(1)
-    return r, idx, prev_s.reshape(-1)[idx]
-
-
 def subtract(cur_s: torch.Tensor, r: torch.Tensor, index: torch.Tensor | None = None,
              value: torch.Tensor | None = None) -> torch.Tensor:
     """rd(θ − r) in ``cur_s``'s dtype, with the exact entries restored when ``index`` is given.
@@ -119,19 +97,19 @@ class ResidualWriter:
         """Plan ``meta``'s residual (filled by :meth:`chunk`); returns its data start."""
         return self._w.reserve(meta.name, meta.shape, meta.dtype)
 
-    def chunk(self, start: int, elem_offset: int, out_s: torch.Tensor,
-              prev_s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Residual of a flat chunk at element ``elem_offset``; returns its exceptions (flat indices
-        of the whole tensor) or None."""
-        r, idx, val = residual(out_s, prev_s)
-        self._w.write_range(start + elem_offset * out_s.dtype.itemsize, tensor_bytes(r))
-        return None if idx is None else (idx.cpu() + elem_offset, val.cpu())
+    def chunk(self, start: int, elem_offset: int, out_s: torch.Tensor, out_m: torch.Tensor,
+              prev_s: torch.Tensor, prev_m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The residual of one flat chunk of a tensor, written at element ``elem_offset``.
 
-    def chunk_into(self, start: int, elem_offset: int, out_s: torch.Tensor, out_m: torch.Tensor,
-                   prev_s: torch.Tensor, prev_m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """:meth:`chunk` with the math-dtype copies given and per-thread buffers (no allocation).
+        Args:
+            start: the tensor's data start (:meth:`reserve`). out_s / prev_s: θ_t and θ_{t−1} of
+                the chunk in the storage dtype; out_m / prev_m: the same in the math dtype
+                (``out_m`` is overwritten). Per-thread buffers, no allocation.
 
-        ``out_m`` (θ_t in the math dtype) is overwritten.
+        Returns:
+            The chunk's exceptions as (flat indices in the whole tensor, θ_{t−1} values), or None:
+            r = rd(θ_t − θ_{t−1}); listed are the entries where rd(θ_t − r) is not θ_{t−1}
+            bit for bit.
         """
         dev, dtype, k = out_s.device, out_s.dtype, out_s.numel()
         d = _buffer("d", k, out_m.dtype, dev)
@@ -154,10 +132,24 @@ class ResidualWriter:
             self._w.write(name + EXACT_VALUE, torch.cat([v for _, v in exceptions]))
 
     def add(self, name: str, out_s: torch.Tensor, prev_s: torch.Tensor) -> None:
-        """Whole-tensor form: θ_t (``out_s``, CPU) and θ_{t−1} (``prev_s``) of tensor ``name``."""
+        """Whole-tensor form: θ_t (``out_s``, CPU) and θ_{t−1} (``prev_s``) of tensor ``name``.
+
+        Works in chunks of :data:`~mergestream.stream.CHUNK_ELEMENTS` with per-thread buffers, so
+        the residual costs no tensor-sized temporaries.
+        """
+        from .stream import CHUNK_ELEMENTS
+
         start = self._w.reserve(name, tuple(out_s.shape), out_s.dtype)
-        exc = self.chunk(start, 0, out_s.reshape(-1), prev_s.reshape(-1))
-        self.finish(name, [exc] if exc else [])
+        out_f, prev_f = out_s.reshape(-1), prev_s.reshape(-1)
+        m, dev = math_dtype(out_s.dtype), out_s.device
+        exceptions = []
+        for s in range(0, out_f.numel(), CHUNK_ELEMENTS):
+            k = min(CHUNK_ELEMENTS, out_f.numel() - s)
+            o, p = out_f[s:s + k], prev_f[s:s + k].to(dev)
+            exc = self.chunk(start, s, o, _buffer("am", k, m, dev).copy_(o), p, _buffer("ap", k, m, dev).copy_(p))
+            if exc is not None:
+                exceptions.append(exc)
+        self.finish(name, exceptions)
 
     def close(self) -> None:
         self._w.close()
@@ -256,7 +248,7 @@ def fold_linear(name: str, e: torch.Tensor, lam: float, base: Checkpoint, backbo
                                  "nothing written")
         ec.copy_(out_c)
         if contrib is not None:
-            exc = contrib.chunk_into(start, s, out_c, x, prev_raw, pf)
+            exc = contrib.chunk(start, s, out_c, x, prev_raw, pf)
             if exc is not None:
                 exceptions.append(exc)
     if contrib is not None:

@@ -226,3 +226,22 @@ def test_chunked_task_arithmetic_equals_the_whole_tensor_path(tmp_path, monkeypa
     engine.fold(bpath, tmp_path / "b1", e2, "task_arithmetic", {"lambda": 0.3}, state_dir=tmp_path / "b",
                 out=tmp_path / "b2")
     _same_bytes(read_state_dict(tmp_path / "a2"), read_state_dict(tmp_path / "b2"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("policy,params", [("task_arithmetic", {"lambda": 0.5}), ("ties", {"k": 30}),
+                                           ("mdm_oc", {"alpha": 0.4})])
+def test_cuda_fold_matches_cpu(tmp_path, policy, params):
+    """--device cuda: the same fold within float rounding of the CPU's (bit-exact for TA)."""
+    base = _wide_model(0, torch.bfloat16)
+    bpath = save_tensors(tmp_path / "base.safetensors", base)
+    epath = save_tensors(tmp_path / "e.safetensors", perturb(base, 0.05, 1))
+    for dev in ("cpu", "cuda"):
+        engine.fold(bpath, None, epath, policy, params, state_dir=tmp_path / f"s-{dev}", out=tmp_path / dev,
+                    device=dev)
+    a, b = read_state_dict(tmp_path / "cpu"), read_state_dict(tmp_path / "cuda")
+    if policy == "task_arithmetic":
+        _same_bytes(a, b)
+    for k in a:
+        if a[k].is_floating_point():
+            torch.testing.assert_close(a[k].float(), b[k].float(), atol=1e-2, rtol=1e-2)

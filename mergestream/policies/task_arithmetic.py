@@ -27,27 +27,32 @@ from pydantic import Field
 from .base import Policy, PolicyParams, Tensor, TensorContext, TensorFold, TensorState
 
 
-def trim_top_k(tau: Tensor, k_percent: float) -> Tensor:
+def trim_top_k(tau: Tensor, k_percent: float, *, inplace: bool = False) -> Tensor:
     """Keep the ``int(k/100 · numel)`` entries of largest |τ| (exactly), zero the rest.
 
-    Uses ``torch.topk`` on |τ|, never a sort of the whole tensor (TIES step 1).
+    Uses ``torch.topk`` on |τ|, never a sort of the whole tensor (TIES step 1). Temporaries: |τ|
+    (freed after the selection), the selected indices and a boolean mask.
 
     Args:
         tau: float tensor of any shape.
         k_percent: keep ratio in percent, 0..100; 100 returns τ unchanged.
+        inplace: zero τ's own entries instead of returning a new tensor.
 
     Returns:
-        A new tensor of τ's shape and dtype.
+        τ's shape and dtype: τ itself when ``inplace``, else a new tensor.
     """
+    out = tau if inplace else tau.clone()
     if k_percent >= 100:
-        return tau.clone()
-    flat = tau.reshape(-1)
+        return out
+    flat = out.reshape(-1)
     keep = int(k_percent / 100.0 * flat.numel())
-    out = torch.zeros_like(flat)
-    if keep > 0:
-        idx = torch.topk(flat.abs(), keep, largest=True, sorted=False).indices
-        out[idx] = flat[idx]
-    return out.view_as(tau)
+    if keep <= 0:
+        return out.zero_()
+    idx = torch.topk(flat.abs(), keep, largest=True, sorted=False).indices
+    mask = torch.zeros(flat.numel(), dtype=torch.bool, device=flat.device)
+    mask[idx] = True
+    del idx
+    return out.mul_(mask.view_as(out))
 
 
 def elect_sign(trimmed: list[Tensor], weights: list[float]) -> Tensor:
@@ -121,18 +126,21 @@ class GeneralizedTaskArithmetic(Policy):
         n = ctx.n_previous
         if self.consensus == "sum":  # exact: Δ_t = λ·trim(τ)
             if self.params.k < 100:
-                tau = trim_top_k(tau, self.params.k)
+                tau = trim_top_k(tau, self.params.k, inplace=True)
             return TensorFold(tau.mul_(lam))
         if n == 0 or lam == 0:
             # one input: sign election and disjoint mean (or max) return the trimmed vector itself,
-            # so skip their tensor-sized temporaries
-            return TensorFold(trim_top_k(tau, self.params.k).mul_(lam))
+            # so skip their tensor-sized temporaries (τ is ours to modify: trimmed in place)
+            return TensorFold(trim_top_k(tau, self.params.k, inplace=True).mul_(lam))
         prev = (backbone - base).div_(lam)  # τ_m of the n experts folded so far
         if self.consensus == "max":
-            trimmed = trim_top_k(tau, self.params.k)
+            trimmed = trim_top_k(tau, self.params.k, inplace=True)
             delta = torch.where(trimmed.abs() > prev.abs(), trimmed - prev, torch.zeros_like(prev))
             return TensorFold(delta.mul_(lam))
-        merged = self._merge([prev, tau], [float(n), 1.0])
+        # TIES: prev stays whole (Δ_t = λ·(τ_m − prev)), its trimmed copy is a temporary; τ is trimmed in place
+        trimmed = [trim_top_k(prev, self.params.k), trim_top_k(tau, self.params.k, inplace=True)]
+        merged = disjoint_mean(trimmed, [float(n), 1.0], elect_sign(trimmed, [float(n), 1.0]))
+        del trimmed
         return TensorFold(merged.sub_(prev).mul_(lam))
 
 
