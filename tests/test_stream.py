@@ -245,3 +245,49 @@ def test_cuda_fold_matches_cpu(tmp_path, policy, params):
     for k in a:
         if a[k].is_floating_point():
             torch.testing.assert_close(a[k].float(), b[k].float(), atol=1e-2, rtol=1e-2)
+
+
+def test_legacy_checkpoint_with_shared_storage_is_folded_once_per_name(tmp_path):
+    """B03 class: a legacy .bin whose names share one storage (tied embeddings). The reader hands
+    out independent tensors, so in-place math on one name never changes another (fold and merge)."""
+    g = torch.Generator().manual_seed(0)
+    emb = torch.randn(20, 8, generator=g)
+    base = {"shared.weight": emb, "encoder.embed_tokens.weight": emb, "decoder.embed_tokens.weight": emb,
+            "fc.weight": torch.randn(8, 8, generator=g)}
+    tau = torch.randn(20, 8, generator=g) * 0.1
+    e_emb = emb + tau
+    expert = {"shared.weight": e_emb, "encoder.embed_tokens.weight": e_emb, "decoder.embed_tokens.weight": e_emb,
+              "fc.weight": base["fc.weight"] + 0.1}
+    torch.save(base, tmp_path / "base.bin")
+    torch.save(expert, tmp_path / "expert.bin")
+    engine.fold(tmp_path / "base.bin", None, tmp_path / "expert.bin", "task_arithmetic", {"lambda": 1.0},
+                state_dir=tmp_path / "s", out=tmp_path / "o")
+    got = read_state_dict(tmp_path / "o")
+    for k in expert:
+        torch.testing.assert_close(got[k], expert[k], rtol=0, atol=1e-6)
+    engine.merge(tmp_path / "base.bin", [tmp_path / "expert.bin"], "task_arithmetic", {"lambda": 0.5},
+                 out=tmp_path / "m")
+    got = read_state_dict(tmp_path / "m")
+    for k in ("shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight"):
+        torch.testing.assert_close(got[k], emb + 0.5 * tau, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool, torch.uint8, torch.float32,
+                                   torch.float16, torch.bfloat16], ids=str)
+def test_zero_dim_tensors_of_every_dtype_fold_and_unmerge(tmp_path, dtype):
+    """B06 class: 0-d tensors (BatchNorm's num_batches_tracked, scalar gains) are read, merged or
+    copied, written and unmerged like any other tensor."""
+    base = random_model(0)
+    base["bn.num_batches_tracked"] = torch.tensor(3).to(dtype)
+    expert = perturb(base, 0.05, 1)
+    bpath = save_tensors(tmp_path / "base.safetensors", base)
+    epath = save_tensors(tmp_path / "e.safetensors", expert)
+    engine.fold(bpath, None, epath, "task_arithmetic", {"lambda": 1.0}, state_dir=tmp_path / "s", out=tmp_path / "o")
+    got = read_state_dict(tmp_path / "o")
+    assert got["bn.num_batches_tracked"].shape == () and got["bn.num_batches_tracked"].dtype == dtype
+    assert torch.equal(_bits(got["bn.num_batches_tracked"]), _bits(expert["bn.num_batches_tracked"]))
+    e2 = save_tensors(tmp_path / "e2.safetensors", perturb(base, 0.05, 2))
+    engine.fold(bpath, tmp_path / "o", e2, "task_arithmetic", {"lambda": 1.0}, state_dir=tmp_path / "s",
+                out=tmp_path / "o2")
+    engine.unmerge(tmp_path / "s", "e2", "subtract", out=tmp_path / "u")
+    _same_bytes(read_state_dict(tmp_path / "u"), got)
