@@ -5,7 +5,8 @@ residual it *applied* is θ_t − θ_{t−1}, not Δ_t. Per tensor this module s
 
 * ``<name>``: r = rd(θ_t − θ_{t−1}) in the storage dtype (so a fold costs at most the model's size
   in its own dtype, not float32), and
-* ``<name>::exact_index`` (int64) / ``<name>::exact_value`` (storage dtype): the few entries where
+* ``<name>::exact_index`` (int32, or int64 past 2³¹ elements; ascending flat indices) /
+  ``<name>::exact_value`` (storage dtype): the few entries where
   ``rd(θ_t − r)`` is not θ_{t−1} bit for bit (where r itself had to be rounded), with
   θ_{t−1}'s stored value there.
 
@@ -77,7 +78,7 @@ def subtract(cur_s: torch.Tensor, r: torch.Tensor, index: torch.Tensor | None = 
     m = math_dtype(cur_s.dtype)
     out = (cur_s.to(m) - r.to(cur_s.device, m)).to(cur_s.dtype)
     if index is not None and index.numel():
-        out.view(-1)[index.to(out.device)] = value.to(out.device, out.dtype)
+        out.view(-1)[index.to(out.device, torch.int64)] = value.to(out.device, out.dtype)
     return out
 
 
@@ -128,7 +129,10 @@ class ResidualWriter:
     def finish(self, name: str, exceptions: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Append a tensor's exception list (if any)."""
         if exceptions:
-            self._w.write(name + EXACT_INDEX, torch.cat([i for i, _ in exceptions]))
+            idx = torch.cat([i for i, _ in exceptions])
+            if int(idx[-1]) < 2**31:  # ascending: int32 indices when they fit (6 bytes per bf16 entry)
+                idx = idx.to(torch.int32)
+            self._w.write(name + EXACT_INDEX, idx)
             self._w.write(name + EXACT_VALUE, torch.cat([v for _, v in exceptions]))
 
     def add(self, name: str, out_s: torch.Tensor, prev_s: torch.Tensor) -> None:
