@@ -174,6 +174,11 @@ def _open_base_and_backbone(base: str | os.PathLike, backbone: str | os.PathLike
     return b, cur
 
 
+def _largest(metas) -> int:
+    """Bytes of the largest tensor (the memory budget of the whole-tensor jobs alive at once)."""
+    return max((m.nbytes for m in metas), default=0)
+
+
 def _threads(threads: int | None) -> int:
     return default_threads() if threads is None or threads <= 0 else threads
 
@@ -333,7 +338,7 @@ def _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, 
                     meta = base_ck.meta(name)
                     if kind == "frozen":
                         _write_with_aliases(writer, name, e, aliases)
-                        stats.add({}, meta.numel, meta.nbytes * (1 if e is None else 2))
+                        stats.add({}, meta.numel, meta.nbytes)  # θ₀'s copy (the expert's is counted by its reader)
                         return
                     if e is not None and lin is None:
                         check_finite_tensor(name, e, loader.where)
@@ -341,7 +346,7 @@ def _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, 
                         residuals.fold_linear(name, e, lin, base_ck, None if first else cur, dev, contrib,
                                               loader.where)
                         _write_with_aliases(writer, name, e, aliases)
-                        stats.add({}, meta.numel, meta.nbytes * (2 if first else 3))
+                        stats.add({}, meta.numel, meta.nbytes * (1 if first else 2))  # θ₀ (and θ_{t−1})
                         return
                     b = base_ck.get(name).to(dev, torch.float32)
                     # θ_{t−1} as stored is kept only when its residual is stored (not for policies
@@ -372,13 +377,15 @@ def _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, 
                             contrib.add(name, result, prev_s)
                     for k, v in res.state.items():
                         state_writer.write(f"{name}{SEP}{k}", v.cpu())
-                    stats.add(res.stats, meta.numel, meta.nbytes * (2 if first else 3))
+                    stats.add(res.stats, meta.numel, meta.nbytes * (1 if first else 2))  # θ₀ (and θ_{t−1})
 
                 # read ahead only where the fold is I/O-bound (element-wise policies): elsewhere the
                 # math dominates and a prefetched tensor would only add to peak memory
+                # whole-tensor policies hold several float32 copies of each tensor: the largest
+                # tensor runs alone, smaller ones in parallel (memory of --threads 1 at its peak)
                 run_stream(loader.names, loader.load, work, threads=_threads(threads), progress=bar,
                            prefetch=1 if lin is not None else 0, sizes=lambda n: base_ck.meta(n).nbytes,
-                           release=loader.release)
+                           release=loader.release, budget=None if lin is not None else _largest(metas))
                 sha = exp.sha256() if not loader.dense else loader.reader.sha256()
                 if expect_sha256 is not None and sha != expect_sha256:
                     raise CorruptCheckpointError(
@@ -544,8 +551,8 @@ def merge(base: str | os.PathLike, experts: list[str | os.PathLike], policy: str
                     _write_with_aliases(writer, name, result, aliases)
                     stats.add({}, meta.numel, meta.nbytes * (1 + len(exps)))
 
-                run_stream(_order(base_ck), load, work, threads=_threads(threads), progress=bar,
-                           sizes=lambda n: base_ck.meta(n).nbytes)
+                run_stream(_order(base_ck), load, work, threads=_threads(threads), progress=bar, prefetch=0,
+                           sizes=lambda n: base_ck.meta(n).nbytes, budget=_largest(metas))
                 shas = [ld.reader.sha256() if ld.dense else e.sha256() for ld, e in zip(loaders, exps)]
                 records = [{"id": default_expert_id(p), "sha256": s} for p, s in zip(experts, shas)]
                 writer.set_metadata(_provenance(pol, records, base_ck))

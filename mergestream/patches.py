@@ -8,18 +8,9 @@ compared and patched as unsigned integers of the same itemsize. Equality is ther
 (``-0.0`` differs from ``0.0``; two NaNs with different payloads differ).
 
 Weights hash (:func:`weights_sha256`)
-    sha256 of the canonical content of a model, independent of sharding, tensor order in the
-    files, header formatting and ``__metadata__``::
-
-        "mergestream-weights-sha256/1\\0" || u64(count)
-        for each tensor, in ascending order of the UTF-8 bytes of its name:
-            u64(len(name)) || name (UTF-8) || u64(len(dtype)) || dtype (ASCII safetensors code:
-            "F32", "BF16", ...) || u64(ndim) || u64(dim)... || u64(nbytes) || data (as stored:
-            little-endian, C order)
-
-    ``u64`` is an unsigned 64-bit little-endian integer. Two models hash equal iff they hold the
-    same tensor names with the same dtypes, shapes and bytes. This is the project's one content
-    hash, defined in :mod:`mergestream.st` (``Checkpoint.sha256()`` computes the same value).
+    The project's one content hash of a model (names, dtypes, shapes and bytes in name order;
+    independent of sharding, header layout and ``__metadata__``), defined in :mod:`mergestream.st`;
+    ``Checkpoint.sha256()`` computes the same value.
 
 Patch file (a safetensors file, format ``mergestream-patch/1``)
     Tensors, for each target tensor that differs from the source (omitted when bit-identical):

@@ -80,9 +80,36 @@ class Progress:
             self._bar.close()
 
 
+class _Slots:
+    """Admission of jobs: at most ``count`` alive, and (with a ``budget``) their summed cost within
+    it, except that a job is always admitted when none is alive (a tensor above the budget runs
+    alone)."""
+
+    def __init__(self, count: int, budget: int | None):
+        self._cond = threading.Condition()
+        self._count = count
+        self._budget = budget
+        self._alive = 0
+        self._cost = 0
+
+    def acquire(self, cost: int) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._alive == 0 or (
+                self._alive < self._count and (self._budget is None or self._cost + cost <= self._budget)))
+            self._alive += 1
+            self._cost += cost
+
+    def release(self, cost: int) -> None:
+        with self._cond:
+            self._alive -= 1
+            self._cost -= cost
+            self._cond.notify_all()
+
+
 def run_stream(names: Iterable[str], load: Callable[[str], Any], work: Callable[[str, Any], None], *,
                threads: int = 1, prefetch: int = 1, progress: Progress | None = None,
-               sizes: Callable[[str], int] | None = None, release: Callable[[Any], None] | None = None) -> None:
+               sizes: Callable[[str], int] | None = None, release: Callable[[Any], None] | None = None,
+               budget: int | None = None) -> None:
     """Load tensors in order on the calling thread and map ``work`` over them on worker threads.
 
     Args:
@@ -94,17 +121,21 @@ def run_stream(names: Iterable[str], load: Callable[[str], Any], work: Callable[
             ``threads + prefetch`` jobs are alive at once.
         progress: advanced by ``sizes(name)`` bytes per finished tensor.
         release: called with each item once its job is over (e.g. to return pooled buffers).
+        budget: bytes (of ``sizes``) the jobs alive may hold together; a larger tensor runs alone.
+            Bounds the memory of policies whose temporaries are several copies of each tensor
+            while small tensors still run in parallel.
 
     Raises:
         The first exception of ``load`` or ``work``; the jobs in flight are finished or abandoned
         first (no worker is left running).
     """
     threads = max(1, threads)
-    slots = threading.BoundedSemaphore(threads + max(0, prefetch))
+    slots = _Slots(threads + max(0, prefetch), budget)
+    cost = (lambda n: sizes(n)) if sizes is not None and budget is not None else (lambda n: 0)
     failed: list[BaseException] = []
     pending: list[Future] = []
 
-    def job(name: str, item: Any) -> None:
+    def job(name: str, item: Any, c: int) -> None:
         try:
             if not failed:
                 work(name, item)
@@ -115,28 +146,29 @@ def run_stream(names: Iterable[str], load: Callable[[str], Any], work: Callable[
         finally:
             if release is not None:
                 release(item)
-            slots.release()
+            slots.release(c)
 
     with ThreadPoolExecutor(threads, thread_name_prefix="mergestream-fold") as pool:
         try:
             for name in names:
-                slots.acquire()
+                c = cost(name)
+                slots.acquire(c)
                 if failed:
-                    slots.release()
+                    slots.release(c)
                     break
                 try:
                     item = load(name)
                 except BaseException:
-                    slots.release()
+                    slots.release(c)
                     raise
                 if item is None:
-                    slots.release()
+                    slots.release(c)
                     if release is not None:
                         release(item)
                     if progress is not None and sizes is not None:
                         progress.advance(sizes(name))
                     continue
-                pending.append(pool.submit(job, name, item))
+                pending.append(pool.submit(job, name, item, c))
                 pending = [f for f in pending if not f.done()]
         except BaseException as exc:
             failed.append(exc)

@@ -17,6 +17,7 @@ from .checkpoints import is_float_dtype, tied_groups
 from .engine import (
     FoldReport,
     _adopt_state,
+    _largest,
     _open_base_and_backbone,
     _order,
     _provenance,
@@ -97,8 +98,8 @@ def subtract(sd: StateDir, k: int, *, out, base, backbone, device, threads, max_
                             state_writer.write(f"{name}{SEP}{f}", v.cpu())
                     stats.add({}, meta.numel, meta.nbytes * 2)
 
-                run_stream(_order(base_ck), load, work, threads=_threads(threads), progress=bar,
-                           sizes=lambda n: base_ck.meta(n).nbytes)
+                run_stream(_order(base_ck), load, work, threads=_threads(threads), progress=bar, prefetch=0,
+                           sizes=lambda n: base_ck.meta(n).nbytes, budget=_largest(metas))
                 writer.close()
                 state_writer.close()
                 copy_aux_files(base_ck, stage)
