@@ -71,9 +71,9 @@ class Policy:
     """Base class of merge policies.
 
     Subclasses set ``name`` and ``Params`` and implement :meth:`fold_tensor`. The defaults make
-    every additive policy unmergeable by ``subtract`` (the engine stores each fold's float32
-    contribution) and give an offline K-way :meth:`merge_tensor` that folds the task vectors one by
-    one in memory.
+    every additive policy unmergeable by ``subtract`` (the engine stores the residual each fold
+    applied, :mod:`mergestream.residuals`) and give an offline K-way :meth:`merge_tensor` that
+    folds the task vectors one by one in memory.
     """
 
     name: ClassVar[str] = ""
