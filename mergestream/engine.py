@@ -16,6 +16,7 @@ live in :mod:`.inspection` and are re-exported here.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -413,6 +414,9 @@ def _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, 
             contrib.abort()
         for f in new_files:
             f.unlink(missing_ok=True)
+        for folder in (sd.path / "contrib", sd.path):  # a failed first fold leaves no state folder
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only if empty
         raise
     finally:
         bar.close()

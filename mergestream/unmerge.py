@@ -149,6 +149,8 @@ def replay(sd: StateDir, k: int, *, out, base, device, threads, max_shard_bytes,
             backbone = step_out
         if report is None:  # removing the only expert: the backbone is θ₀ again
             report = copy_base(base, out, overwrite, max_shard_bytes, threads)
+            pol = make_policy(man.policy, man.folds[k].params)
+            report.policy, report.params = pol.name, pol.describe()
             new_man = Manifest(policy=man.policy, base=man.base, base_tensors=man.base_tensors,
                                backbone=str(Path(out).resolve()), state_file=None, folds=[])
             sd.close()

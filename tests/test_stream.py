@@ -291,3 +291,19 @@ def test_zero_dim_tensors_of_every_dtype_fold_and_unmerge(tmp_path, dtype):
                 out=tmp_path / "o2")
     engine.unmerge(tmp_path / "s", "e2", "subtract", out=tmp_path / "u")
     _same_bytes(read_state_dict(tmp_path / "u"), got)
+
+
+def test_a_failed_first_fold_leaves_no_state_folder(tmp_path):
+    base = _wide_model(0, torch.float32)
+    bpath = save_tensors(tmp_path / "base.safetensors", base)
+    e = perturb(base, 0.05, 1)
+    e["layer.1.weight"].view(-1)[-1] = float("nan")
+    epath = save_tensors(tmp_path / "bad.safetensors", e)
+    with pytest.raises(NonFiniteError):
+        engine.fold(bpath, None, epath, "ties", state_dir=tmp_path / "state", out=tmp_path / "o")
+    assert not (tmp_path / "state").exists() and not (tmp_path / "o").exists()
+    # and removing the last fold reports the state's policy, not "base"
+    good = save_tensors(tmp_path / "good.safetensors", perturb(base, 0.05, 2))
+    engine.fold(bpath, None, good, "ties", state_dir=tmp_path / "s2", out=tmp_path / "v1")
+    rep = engine.unmerge(tmp_path / "s2", "good", "subtract", out=tmp_path / "u")
+    assert rep.policy == "ties" and rep.experts == []
