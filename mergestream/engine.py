@@ -51,9 +51,10 @@ from .checkpoints import (
     validate_against_base,
 )
 from .errors import CorruptCheckpointError, MergestreamError, NonFiniteError, OutputExistsError, PolicyError, StateError
-from .inspection import _device, describe, task_vector_stats
+from .inspection import describe, resolve_device, task_vector_stats
 from .policies import Policy, TensorContext, cmaes_coefficients, make_policy, stability_penalty
 from .state import SEP, FoldRecord, Manifest, StateDir, final_name
+from .st import name_order
 from .stream import ExpertReader, Progress, default_threads, run_stream
 from .writers import AppendWriter, ModelWriter, copy_aux_files, staged_output
 
@@ -94,11 +95,6 @@ class FoldReport:
         return dict(self.__dict__)
 
 
-def resolve_device(device: str | torch.device) -> torch.device:
-    """Validate a math device (``cpu``, ``cuda``, ``cuda:1``); raises MergestreamError if unusable."""
-    return _device(str(device))
-
-
 #: a same-length placeholder for a content hash known only at the end of the pass
 _NO_HASH = "0" * 64
 
@@ -137,12 +133,13 @@ class _Stats:
 
 
 def _cast_checked(x: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
-    """``x`` cast to the storage dtype on the CPU; NonFiniteError if the cast overflowed."""
+    """``x`` (a fold's or unmerge's result) cast to the storage dtype on the CPU; NonFiniteError if
+    it is not finite there (overflow)."""
     out = x.to(dtype) if x.dtype != dtype else x
     out = out.cpu() if out.device.type != "cpu" else out
     if out.is_floating_point() and out.numel() and not bool(torch.isfinite(out.sum(dtype=torch.float32))) \
             and not bool(torch.isfinite(out).all()):
-        raise NonFiniteError(f"tensor {name}: the fold's result is not finite in {dtype} (overflow?); nothing written")
+        raise NonFiniteError(f"tensor {name}: the result is not finite in {dtype} (overflow?); nothing written")
     return out
 
 
@@ -227,8 +224,7 @@ class _ExpertLoader:
 
 
 def _order(ck: Checkpoint) -> list[str]:
-    from .st import name_order
-
+    """θ₀'s tensor names in canonical order (the order every pass loads them in)."""
     return name_order(ck.keys())
 
 

@@ -13,7 +13,8 @@ from .checkpoints import default_expert_id, is_float_dtype, open_checkpoint, ope
 from .errors import MergestreamError
 
 
-def _device(device: str) -> torch.device:
+def resolve_device(device: str | torch.device) -> torch.device:
+    """Validate a math device (``cpu``, ``cuda``, ``cuda:1``); raises MergestreamError if unusable."""
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise MergestreamError(f"device {device!r} requested but CUDA is not available")
@@ -30,7 +31,7 @@ def task_vector_stats(base: str | os.PathLike, experts: list[str | os.PathLike],
     Raises:
         ValidationError subclasses if an expert does not fit θ₀.
     """
-    dev = _device(device)
+    dev = resolve_device(device)
     base_ck = open_checkpoint(base)
     exps = [open_expert(e, base_ck) for e in experts]
     try:

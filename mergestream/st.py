@@ -182,13 +182,8 @@ def read_header(path: str | os.PathLike) -> Header:
 
 
 def read_into(fh, offset: int, buf: memoryview) -> None:
-    fh.seek(offset)
-    got = 0
-    while got < len(buf):
-        n = fh.readinto(buf[got:])
-        if not n:
-            raise FormatError(f"{fh.name}: unexpected end of file at byte {offset + got}")
-        got += n
+    """Fill ``buf`` from the open binary file ``fh`` at ``offset`` (see :func:`pread_into`)."""
+    pread_into(fh.fileno(), buf, offset, fh.name)
 
 
 def encode_header(obj: dict[str, Any]) -> bytes:

@@ -17,6 +17,7 @@ from .checkpoints import is_float_dtype, tied_groups
 from .engine import (
     FoldReport,
     _adopt_state,
+    _cast_checked,
     _largest,
     _open_base_and_backbone,
     _order,
@@ -29,7 +30,7 @@ from .engine import (
     replay_work_dir,
     resolve_device,
 )
-from .errors import NonFiniteError, StateError
+from .errors import StateError
 from .policies import make_policy
 from .state import SEP, Manifest, StateDir, final_name
 from .stream import Progress, run_stream
@@ -88,10 +89,8 @@ def subtract(sd: StateDir, k: int, *, out, base, backbone, device, threads, max_
                             cur_s.to(dev), r, *((idx, val) if exact else (None, None))).cpu()
                     else:
                         c = pol.contribution({k2: v.to(dev) for k2, v in st.items()}, k, coeff_k, cur_s.shape)
-                        result = cur_s if c is None else (cur_s.to(dev, torch.float32) - c).to(meta.dtype).cpu()
-                    if result.numel() and not bool(torch.isfinite(result.float().sum())) \
-                            and not bool(torch.isfinite(result).all()):
-                        raise NonFiniteError(f"tensor {name}: the unmerge result is not finite in {meta.dtype}")
+                        result = cur_s if c is None else (cur_s.to(dev, torch.float32) - c)
+                    result = _cast_checked(result, meta.dtype, name)
                     _write_with_aliases(writer, name, result, aliases)
                     if st:
                         for f, v in pol.drop_from_state(st, k).items():
