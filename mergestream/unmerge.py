@@ -1,51 +1,93 @@
 """Unmerge: remove one expert from a state's backbone, by ``subtract`` or by ``replay``.
 
-Called through :func:`mergestream.engine.unmerge` (which documents the guarantees); both run on
-the streaming skeleton of :mod:`.stream`.
+:func:`unmerge` documents the guarantees (re-exported as :func:`mergestream.engine.unmerge`); both
+modes run on the streaming skeleton of :mod:`.stream`.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import tempfile
 import threading
+import time
 from pathlib import Path
 
 import torch
 
 from . import residuals
-from .checkpoints import is_float_dtype, tied_groups
-from .engine import (
+from ._alloc import pin_mmap_threshold
+from .checkpoints import DEFAULT_SHARD_BYTES, is_float_dtype, tied_groups
+from .errors import MergestreamError, StateError
+from .folding import fold
+from .inspection import resolve_device
+from .passes import (
     FoldReport,
-    _adopt_state,
-    _cast_checked,
-    _largest,
-    _open_base_and_backbone,
-    _order,
-    _provenance,
-    _Stats,
-    _threads,
-    _write_with_aliases,
+    Stats,
+    canonical_order,
+    cast_checked,
     copy_base,
-    fold,
-    replay_work_dir,
-    resolve_device,
+    largest,
+    open_base_and_backbone,
+    provenance,
+    worker_threads,
+    write_with_aliases,
 )
-from .errors import StateError
 from .policies import make_policy
 from .state import SEP, Manifest, StateDir, final_name
 from .stream import Progress, run_stream
 from .writers import AppendWriter, ModelWriter, copy_aux_files, staged_output
 
 
+def unmerge(state_dir: str | os.PathLike, expert_id: str, mode: str, *, out: str | os.PathLike,
+            backbone: str | os.PathLike | None = None, base: str | os.PathLike | None = None,
+            device: str = "cpu", threads: int | None = 1, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+            overwrite: bool = False, progress: bool = False) -> FoldReport:
+    """Remove one expert from the backbone the state describes.
+
+    Modes:
+        ``subtract``: θ − Δ_k with Δ_k the residual fold k actually applied (stored in the
+        checkpoint's dtype; MDM-OC: α_k δ_k⊥ rebuilt from the state). Removing the most recent
+        fold restores the previous backbone byte for byte; removing an earlier one is within one
+        unit in the last place of the storage dtype of θ − Δ_k; removing the only fold gives θ₀
+        exactly. An approximation of "never merged" for policies whose later folds depended on
+        Δ_k (TIES, SAFE-Merge, OPCM): use ``replay`` for those.
+        ``replay``: refold every other expert from its raw task vector, in the original order with
+        its recorded parameters, starting from θ₀: the "never merged" model, byte for byte.
+
+    The state folder is updated to describe the new backbone (at ``out``).
+
+    Raises:
+        StateError: unknown expert, missing contribution, or (replay) an expert file that is gone.
+    """
+    pin_mmap_threshold()
+    if mode not in ("subtract", "replay"):
+        raise MergestreamError(f"unknown unmerge mode {mode!r}: use subtract or replay")
+    t0 = time.perf_counter()
+    sd = StateDir(state_dir)
+    man = sd.manifest
+    if not man.folds:
+        raise StateError(f"{sd.path}: no folds recorded (is this a state folder?)")
+    k = man.index_of(expert_id)
+    base = base or man.base
+    opts = dict(device=device, threads=threads, max_shard_bytes=max_shard_bytes, overwrite=overwrite)
+    if mode == "replay" or len(man.folds) == 1:  # removing the only fold: θ₀ itself, exactly
+        report = replay(sd, k, out=out, base=base, **opts)
+    else:
+        report = subtract(sd, k, out=out, base=base, backbone=backbone or man.backbone, progress=progress, **opts)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
 def subtract(sd: StateDir, k: int, *, out, base, backbone, device, threads, max_shard_bytes, overwrite,
              progress: bool = False) -> FoldReport:
-    """θ − Δ_k for every tensor (see :func:`mergestream.engine.unmerge`); updates ``sd``."""
+    """θ − Δ_k for every tensor (see :func:`unmerge`); updates ``sd``."""
     man = sd.manifest
     pol = make_policy(man.policy, man.folds[k].params)
     if not backbone or not Path(backbone).exists():
         raise StateError(f"backbone {backbone} recorded in {sd.path} is missing; pass --backbone")
     dev = resolve_device(device)
-    base_ck, cur = _open_base_and_backbone(base, backbone)
+    base_ck, cur = open_base_and_backbone(base, backbone)
     if int(cur.metadata().get("mergestream.n_folds", "-1")) != len(man.folds):
         raise StateError(f"backbone {backbone} does not match state {sd.path} (fold counts differ)")
     last = k == len(man.folds) - 1
@@ -67,11 +109,11 @@ def subtract(sd: StateDir, k: int, *, out, base, backbone, device, threads, max_
     state_path = sd.new_file("state")
     state_writer = AppendWriter(state_path, header_bytes=residuals.header_room(metas, 4))
     lock = threading.Lock()
-    stats = _Stats()
+    stats = Stats()
     bar = Progress(sum(m.nbytes for m in metas), len(metas), f"unmerge {man.folds[k].id}", progress)
     try:
         with staged_output(out, overwrite=overwrite) as stage:
-            writer = ModelWriter(stage, metas, _provenance(pol, records, base_ck), max_shard_bytes)
+            writer = ModelWriter(stage, metas, provenance(pol, records, base_ck), max_shard_bytes)
             try:
                 def load(name: str):
                     return None if name in aliases else cur.get(name)
@@ -79,7 +121,7 @@ def subtract(sd: StateDir, k: int, *, out, base, backbone, device, threads, max_
                 def work(name: str, cur_s: torch.Tensor) -> None:
                     meta = base_ck.meta(name)
                     if not is_float_dtype(meta.dtype):
-                        _write_with_aliases(writer, name, base_ck.get(name), aliases)
+                        write_with_aliases(writer, name, base_ck.get(name), aliases)
                         return
                     with lock:
                         st = sd.tensor_state(name)
@@ -90,15 +132,15 @@ def subtract(sd: StateDir, k: int, *, out, base, backbone, device, threads, max_
                     else:
                         c = pol.contribution({k2: v.to(dev) for k2, v in st.items()}, k, coeff_k, cur_s.shape)
                         result = cur_s if c is None else (cur_s.to(dev, torch.float32) - c)
-                    result = _cast_checked(result, meta.dtype, name)
-                    _write_with_aliases(writer, name, result, aliases)
+                    result = cast_checked(result, meta.dtype, name)
+                    write_with_aliases(writer, name, result, aliases)
                     if st:
                         for f, v in pol.drop_from_state(st, k).items():
                             state_writer.write(f"{name}{SEP}{f}", v.cpu())
                     stats.add({}, meta.numel, meta.nbytes * 2)
 
-                run_stream(_order(base_ck), load, work, threads=_threads(threads), progress=bar, prefetch=0,
-                           sizes=lambda n: base_ck.meta(n).nbytes, budget=_largest(metas))
+                run_stream(canonical_order(base_ck), load, work, threads=worker_threads(threads), progress=bar, prefetch=0,
+                           sizes=lambda n: base_ck.meta(n).nbytes, budget=largest(metas))
                 writer.close()
                 state_writer.close()
                 copy_aux_files(base_ck, stage)
@@ -124,7 +166,7 @@ def subtract(sd: StateDir, k: int, *, out, base, backbone, device, threads, max_
 
 
 def replay(sd: StateDir, k: int, *, out, base, device, threads, max_shard_bytes, overwrite) -> FoldReport:
-    """Refold every expert but ``k`` from θ₀ (see :func:`mergestream.engine.unmerge`); updates ``sd``."""
+    """Refold every expert but ``k`` from θ₀ (see :func:`unmerge`); updates ``sd``."""
     man = sd.manifest
     remaining = [f for i, f in enumerate(man.folds) if i != k]
     for f in remaining:
@@ -161,3 +203,28 @@ def replay(sd: StateDir, k: int, *, out, base, device, threads, max_shard_bytes,
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
+
+def _adopt_state(sd: StateDir, tmp: Path) -> None:
+    """Move a replayed state folder's files into ``sd`` and commit its manifest."""
+    other = StateDir(tmp)
+    new_files = []
+    man = other.manifest
+    if man.state_file:
+        dest = sd.new_file("state")
+        shutil.move(str(tmp / man.state_file), dest)
+        new_files.append(dest)
+        man.state_file = final_name(dest, sd.path)
+    for f in man.folds:
+        if f.contribution:
+            dest = sd.new_file("contrib", f.id)
+            shutil.move(str(tmp / f.contribution), dest)
+            new_files.append(dest)
+            f.contribution = final_name(dest, sd.path)
+    other.close()
+    sd.close()
+    sd.commit(man, new_files)
+
+
+def replay_work_dir(out: str | os.PathLike) -> Path:
+    """A scratch folder beside ``out`` for replay's intermediate backbones."""
+    return Path(tempfile.mkdtemp(prefix=".replay-", dir=Path(out).resolve().parent))

@@ -8,12 +8,14 @@ import torch
 from peft.utils.merge_utils import ties as peft_ties
 
 from mergestream import engine
-from mergestream.checkpoints import read_state_dict
+from mergestream.checkpoints import open_checkpoint, read_state_dict
 from mergestream.errors import NonFiniteError, PolicyError
+from mergestream.folding import weights_stream
 from mergestream.policies import TensorContext, cmaes_coefficients, make_policy
 from mergestream.policies.mdm_oc import gram_schmidt, orthogonal_factors
 from mergestream.policies.safe_merge import magnitude_mask, masked_recovery
 from mergestream.policies.task_arithmetic import disjoint_mean, elect_sign, trim_top_k
+from mergestream.state import StateDir
 
 from .conftest import perturb, random_model, save_tensors
 
@@ -203,7 +205,7 @@ def test_mdm_oc_directions_orthogonal_and_unmerge(tmp_path, rank):
     bpath, experts = _models(tmp_path, n_experts=5)
     params = {"alpha": 0.5, "rank": rank}
     outs, state = _fold_chain(tmp_path, bpath, experts, "mdm_oc", params, "oc")
-    sd = engine.StateDir(state)
+    sd = StateDir(state)
     pol = make_policy("mdm_oc", params)
     base = read_state_dict(bpath)
     for name, t in base.items():
@@ -224,7 +226,7 @@ def test_mdm_oc_directions_orthogonal_and_unmerge(tmp_path, rank):
     for k, v in prev.items():
         if v.is_floating_point():
             assert float((got[k] - v).norm() / v.norm()) < 1e-6, k
-    assert engine.StateDir(state).manifest.ids() == ["e0", "e1", "e2", "e3"]
+    assert StateDir(state).manifest.ids() == ["e0", "e1", "e2", "e3"]
 
 
 def test_mdm_oc_replay_unmerge_of_first_equals_folding_the_others_from_scratch(tmp_path):
@@ -236,7 +238,7 @@ def test_mdm_oc_replay_unmerge_of_first_equals_folding_the_others_from_scratch(t
     a, b = read_state_dict(tmp_path / "replayed"), read_state_dict(scratch[-1])
     for k in a:
         assert torch.equal(a[k], b[k]), k
-    assert engine.StateDir(state).manifest.ids() == ["e1", "e2", "e3", "e4"]
+    assert StateDir(state).manifest.ids() == ["e1", "e2", "e3", "e4"]
 
 
 def test_gram_schmidt_projects_into_null_space():
@@ -277,9 +279,9 @@ def test_mdm_oc_cmaes_coefficients_through_the_engine(tmp_path):
     rep = engine.fold(bpath, tmp_path / "o1", experts[1], "mdm_oc", params, state_dir=tmp_path / "s",
                       out=tmp_path / "o2", objective=objective)
     assert len(rep.coefficients) == 2
-    start_loss = objective(np.array([rep.coefficients[0], 0.3]), lambda: engine._weights_stream(
-        make_policy("mdm_oc", params), engine.open_checkpoint(bpath), engine.StateDir(tmp_path / "s").path /
-        engine.StateDir(tmp_path / "s").manifest.state_file, [rep.coefficients[0], 0.3], torch.device("cpu")))
+    start_loss = objective(np.array([rep.coefficients[0], 0.3]), lambda: weights_stream(
+        make_policy("mdm_oc", params), open_checkpoint(bpath), StateDir(tmp_path / "s").path /
+        StateDir(tmp_path / "s").manifest.state_file, [rep.coefficients[0], 0.3], torch.device("cpu")))
     got = read_state_dict(tmp_path / "o2")
     final = float(sum(((got[k] - target[k]) ** 2).sum() for k in target))
     assert final <= start_loss + 1e-6

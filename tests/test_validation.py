@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from mergestream import engine
+from mergestream.checkpoints import open_checkpoint
 from mergestream.errors import (
     CorruptCheckpointError,
     DtypeMismatchError,
@@ -158,7 +159,7 @@ def test_missing_base_and_unknown_format_are_clean_errors(tmp_path):
     assert proc.returncode == 2 and "nope.safetensors" in proc.stderr
     (tmp_path / "weights.npz").write_bytes(b"x")
     with pytest.raises(UnsupportedCheckpointError):
-        engine.open_checkpoint(tmp_path / "weights.npz")
+        open_checkpoint(tmp_path / "weights.npz")
 
 
 def test_legacy_pickle_is_loaded_weights_only(tmp_path):
@@ -174,7 +175,7 @@ def test_legacy_pickle_is_loaded_weights_only(tmp_path):
     (tmp_path / "victim").mkdir()
     torch.save({"w": Evil()}, tmp_path / "evil.pt")
     with pytest.raises(CorruptCheckpointError, match="weights_only"):
-        engine.open_checkpoint(tmp_path / "evil.pt")
+        open_checkpoint(tmp_path / "evil.pt")
     assert (tmp_path / "victim").exists()
 
 

@@ -1,0 +1,429 @@
+"""The fold (θ_t = θ_{t−1} + Δ_t, one expert) and the offline merge (K experts at once).
+
+For each tensor the fold reads θ₀, θ_{t−1} and the expert (float32 for the math), asks the
+policy for Δ_t, and writes cast(θ_{t−1} + Δ_t) into a staged output, the policy's per-tensor state,
+and what subtract-unmerge needs (:mod:`.residuals`). The expert is read once per fold: its content
+hash, the finiteness check and the frozen-tensor comparison ride on the same pass (headers are
+checked before any data is read). Peak memory is a few tensors per worker thread, never the
+model; Task Arithmetic (a :meth:`~mergestream.policies.Policy.linear_scale` policy) folds in
+chunks of each tensor. Integer/bool tensors are copied from θ₀; tensors tied in θ₀ (embeddings
+and LM head) are written as one. A policy that searches its coefficients (MDM-OC with CMA-ES)
+writes its output once, from the state, after the search.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import residuals
+from ._alloc import pin_mmap_threshold
+from .checkpoints import (
+    DEFAULT_SHARD_BYTES,
+    Checkpoint,
+    DenseExpert,
+    check_finite_tensor,
+    default_expert_id,
+    is_embedding_name,
+    is_float_dtype,
+    open_checkpoint,
+    open_expert,
+    open_safetensors_file,
+    tied_groups,
+    validate_against_base,
+)
+from .errors import (
+    CorruptCheckpointError,
+    MergestreamError,
+    OutputExistsError,
+    PolicyError,
+    StateError,
+)
+from .inspection import resolve_device
+from .passes import (
+    NO_HASH,
+    ExpertLoader,
+    FoldReport,
+    Stats,
+    canonical_order,
+    cast_checked,
+    largest,
+    open_base_and_backbone,
+    provenance,
+    seed_of,
+    worker_threads,
+    write_with_aliases,
+)
+from .policies import (
+    Policy,
+    TensorContext,
+    cmaes_coefficients,
+    make_policy,
+    stability_penalty,
+)
+from .state import SEP, FoldRecord, Manifest, StateDir, final_name
+from .stream import Progress, run_stream
+from .writers import AppendWriter, ModelWriter, copy_aux_files, staged_output
+
+log = logging.getLogger("mergestream.engine")
+
+#: objective(alphas, weights) -> loss; ``weights()`` streams (name, float32 tensor) of θ(α).
+Objective = Callable[[np.ndarray, Callable[[], Iterator[tuple[str, torch.Tensor]]]], float]
+
+
+def fold(base: str | os.PathLike, backbone: str | os.PathLike | None, expert: str | os.PathLike,
+         policy: str | Policy, params: dict[str, Any] | None = None, *, state_dir: str | os.PathLike,
+         out: str | os.PathLike, expert_id: str | None = None, device: str = "cpu", threads: int | None = 1,
+         max_shard_bytes: int = DEFAULT_SHARD_BYTES, objective: Objective | None = None,
+         overwrite: bool = False, progress: bool = False, expect_sha256: str | None = None,
+         tensor_hook: Callable[[str], None] | None = None) -> FoldReport:
+    """Fold one expert into the backbone: θ_t = θ_{t−1} + Δ_t, tensor by tensor, reading it once.
+
+    Args:
+        base: θ₀ (file or folder). backbone: θ_{t−1}; None (or θ₀ itself) for the first fold.
+        expert: dense checkpoint or PEFT LoRA adapter folder.
+        policy: a registered name (with ``params``) or a :class:`Policy`.
+        state_dir: the policy state folder (created at the first fold, updated atomically).
+        out: output folder (must not exist unless ``overwrite``); staged and renamed into place.
+        expert_id: defaults to :func:`~mergestream.checkpoints.default_expert_id`.
+        device: where the math runs (``cpu`` or ``cuda[:i]``); tensors are streamed from CPU.
+        threads: worker threads (None or 0: :func:`~mergestream.stream.default_threads`); peak
+            memory grows by a few tensors per thread.
+        max_shard_bytes: output shard cap (bytes).
+        objective: for a policy that searches coefficients (``mdm_oc`` with ``coefficients=cmaes``).
+        progress: show a progress bar on a terminal.
+        expect_sha256: the content hash the caller recorded (the daemon's ledger); a fold whose
+            expert hashes differently (changed since) is refused before anything is committed.
+        tensor_hook: called with each tensor name before it is folded (tests, stop requests).
+
+    Returns:
+        :class:`FoldReport`.
+
+    Raises:
+        ValidationError subclasses: the expert or backbone does not fit θ₀ (nothing written, the
+            state unchanged, even when the bad tensor is the last one read).
+        StateError: the state folder disagrees with the backbone or already holds the expert.
+        PolicyError: unknown policy, bad parameters, or another policy than the state's.
+        NonFiniteError: a result overflowed its dtype. OutputExistsError: ``out`` exists.
+        CorruptCheckpointError: the expert's content hash is not ``expect_sha256``.
+    """
+    pin_mmap_threshold()
+    t0 = time.perf_counter()
+    pol = policy if isinstance(policy, Policy) else make_policy(policy, params)
+    dev = resolve_device(device)
+    sd = StateDir(state_dir)
+    man = sd.manifest
+    if man.policy is not None and man.policy != pol.name and man.folds:
+        raise PolicyError(f"state {sd.path} belongs to policy {man.policy!r}, not {pol.name!r}")
+    if Path(out).exists() and not overwrite:
+        raise OutputExistsError(f"{out} already exists; choose a new output path")
+    base_ck, cur = open_base_and_backbone(base, backbone)
+    eid = expert_id or default_expert_id(expert)
+    if eid in man.ids():
+        raise StateError(f"expert {eid!r} is already folded into this state; use another --id or unmerge it first")
+    n_prev = len(man.folds)
+    first = cur is base_ck
+    cur_folds = 0 if first else int(cur.metadata().get("mergestream.n_folds", "-1"))
+    if cur_folds != n_prev:
+        raise StateError(
+            f"backbone {cur.path} holds {cur_folds if cur_folds >= 0 else 'an unknown number of'} fold(s) but state "
+            f"{sd.path} records {n_prev}: pass the backbone produced by the last fold with this state")
+    if man.base_tensors is not None and man.base_tensors != len(base_ck.keys()):
+        raise StateError(f"state {sd.path} was built on another base ({man.base})")
+    if pol.searches_coefficients() and objective is None:
+        raise PolicyError("coefficients=cmaes needs an objective (--objective module:function)")
+    exp = open_expert(expert, base_ck)
+    try:
+        validate_against_base(base_ck, exp, role="expert", deep=False)
+        lin = pol.linear_scale() if isinstance(exp, DenseExpert) else None
+        # element-wise policies are I/O-bound: read ahead into pooled buffers (no page faults)
+        buffers = worker_threads(threads) + 1 if lin is not None else 0
+        loader = ExpertLoader(exp, base_ck, tied_groups(base_ck), f"expert {exp.path}", buffers)
+        return _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, dev, threads,
+                          max_shard_bytes, objective, overwrite, progress, expect_sha256, tensor_hook, t0)
+    finally:
+        exp.close()
+        base_ck.close()
+        cur.close()
+
+
+def _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, dev, threads, max_shard_bytes,
+               objective, overwrite, progress, expect_sha256, tensor_hook, t0) -> FoldReport:
+    first = cur is base_ck
+    n_prev = len(man.folds)
+    aliases = loader.aliases
+    metas = base_ck.metas()
+    coeff = pol.coefficient()
+    prev_coeffs = tuple(man.coefficients())
+    search = pol.searches_coefficients()
+    store_contrib = not pol.contributions_in_state
+    lin = pol.linear_scale() if loader.dense else None
+    stats = Stats()
+    state_lock = threading.Lock()
+    state_path = sd.new_file("state")
+    contrib_path = sd.new_file("contrib", eid) if store_contrib else None
+    new_files: list[Path] = [state_path] + ([contrib_path] if contrib_path else [])
+    state_writer = AppendWriter(state_path, header_bytes=residuals.header_room(metas, 4))
+    contrib = residuals.ResidualWriter(contrib_path, metas, eid) if store_contrib else None
+    bar = Progress(sum(m.nbytes for m in metas), len(metas), f"fold {eid}", progress)
+    try:
+        with staged_output(out, overwrite=overwrite) as stage:
+            planned = [{"id": f.id, "sha256": f.sha256} for f in man.folds] + [{"id": eid, "sha256": NO_HASH}]
+            writer = ModelWriter(stage, metas, provenance(pol, planned, base_ck), max_shard_bytes)
+            try:
+                def work(name: str, item) -> None:
+                    kind, e = item
+                    if tensor_hook is not None:
+                        tensor_hook(name)
+                    meta = base_ck.meta(name)
+                    if kind == "frozen":
+                        write_with_aliases(writer, name, e, aliases)
+                        stats.add({}, meta.numel, meta.nbytes)  # θ₀'s copy (the expert's is counted by its reader)
+                        return
+                    if e is not None and lin is None:
+                        check_finite_tensor(name, e, loader.where)
+                    if lin is not None:
+                        residuals.fold_linear(name, e, lin, base_ck, None if first else cur, dev, contrib,
+                                              loader.where)
+                        write_with_aliases(writer, name, e, aliases)
+                        stats.add({}, meta.numel, meta.nbytes * (1 if first else 2))  # θ₀ (and θ_{t−1})
+                        return
+                    b = base_ck.get(name).to(dev, torch.float32)
+                    # θ_{t−1} as stored is kept only when its residual is stored (not for policies
+                    # whose contributions live in their state), so memory stays at a few tensors
+                    prev_s = None
+                    if first:
+                        bb = b.clone()
+                        if contrib is not None:
+                            prev_s = b if meta.dtype == torch.float32 else b.to(meta.dtype)
+                    else:
+                        prev_s = cur.get(name)
+                        bb = prev_s.to(dev, torch.float32, copy=contrib is not None)
+                        if contrib is None:
+                            prev_s = None
+                    tau = exp.task_vector(name, b).to(dev) if e is None else e.to(dev, torch.float32).sub_(b)
+                    if e is None:
+                        check_finite_tensor(name, tau, f"LoRA delta of {loader.where}")
+                    del e
+                    with state_lock:
+                        st = {k: v.to(dev) for k, v in sd.tensor_state(name).items()}
+                    ctx = TensorContext(name, n_prev, prev_coeffs, is_embedding_name(name), seed_of(name))
+                    res = pol.fold_tensor(b, bb, tau, st, ctx)
+                    del b, tau
+                    if not search:  # a coefficient search writes the output once, from the state
+                        result = cast_checked(bb.add_(res.delta, alpha=res.scale), meta.dtype, name)
+                        write_with_aliases(writer, name, result, aliases)
+                        if contrib is not None:
+                            contrib.add(name, result, prev_s)
+                    for k, v in res.state.items():
+                        state_writer.write(f"{name}{SEP}{k}", v.cpu())
+                    stats.add(res.stats, meta.numel, meta.nbytes * (1 if first else 2))  # θ₀ (and θ_{t−1})
+
+                # read ahead only where the fold is I/O-bound (element-wise policies): elsewhere the
+                # math dominates and a prefetched tensor would only add to peak memory
+                # whole-tensor policies hold several float32 copies of each tensor: the largest
+                # tensor runs alone, smaller ones in parallel (memory of --threads 1 at its peak)
+                run_stream(loader.names, loader.load, work, threads=worker_threads(threads), progress=bar,
+                           prefetch=1 if lin is not None else 0, sizes=lambda n: base_ck.meta(n).nbytes,
+                           release=loader.release, budget=None if lin is not None else largest(metas))
+                sha = exp.sha256() if not loader.dense else loader.reader.sha256()
+                if expect_sha256 is not None and sha != expect_sha256:
+                    raise CorruptCheckpointError(
+                        f"expert {exp.path} changed since it was registered: content hash {sha}, expected "
+                        f"{expect_sha256}; nothing was folded")
+                records = [{"id": f.id, "sha256": f.sha256} for f in man.folds] + [{"id": eid, "sha256": sha}]
+                writer.set_metadata(provenance(pol, records, base_ck))
+                state_writer.close()
+                coeffs = list(prev_coeffs) + [coeff] if coeff is not None else None
+                found = None
+                if search:
+                    coeffs, found = _optimise_coefficients(pol, base_ck, state_path, coeffs, list(prev_coeffs),
+                                                           objective, dev)
+                    _rewrite_from_state(pol, base_ck, state_path, coeffs, writer, dev, threads, aliases)
+                writer.close()
+                if contrib is not None:
+                    contrib.close()
+                copy_aux_files(base_ck, stage)
+            except BaseException:
+                writer.abort()
+                raise
+    except BaseException:
+        state_writer.abort()
+        if contrib is not None:
+            contrib.abort()
+        for f in new_files:
+            f.unlink(missing_ok=True)
+        for folder in (sd.path / "contrib", sd.path):  # a failed first fold leaves no state folder
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only if empty
+        raise
+    finally:
+        bar.close()
+    fold_rec = FoldRecord(id=eid, expert=str(Path(expert).resolve()), sha256=sha, params=pol.describe(),
+                          coefficient=coeffs[-1] if coeffs else None,
+                          contribution=final_name(contrib_path, sd.path) if store_contrib else None,
+                          exact_restore=store_contrib, sha256_kind="weights")
+    folds = list(man.folds)
+    if coeffs:
+        for f, c in zip(folds, coeffs):
+            f.coefficient = float(c)
+    new_man = Manifest(policy=pol.name, base=str(Path(base).resolve()), base_tensors=len(base_ck.keys()),
+                       backbone=str(Path(out).resolve()), state_file=final_name(state_path, sd.path),
+                       folds=folds + [fold_rec])
+    sd.close()
+    sd.commit(new_man, new_files)
+    bytes_read = (loader.reader.bytes_read if loader.dense else 0) + stats.bytes_read
+    report = FoldReport(out=str(out), policy=pol.name, params=pol.describe(), experts=[eid],
+                        seconds=time.perf_counter() - t0, bytes_read=bytes_read,
+                        bytes_written=writer.bytes_written, stats=stats.summary(),
+                        coefficients=[float(c) for c in coeffs] if coeffs else None, search=found, sha256=[sha])
+    log.info("fold expert=%s policy=%s seconds=%.2f out=%s", eid, pol.name, report.seconds, out)
+    return report
+
+
+def _state_reader(path: Path) -> Callable[[str], dict[str, torch.Tensor]]:
+    ck = open_safetensors_file(path)
+    fields: dict[str, list[str]] = {}
+    for key in ck.keys():
+        t, _, f = key.rpartition(SEP)
+        fields.setdefault(t, []).append(f)
+    return lambda name: {f: ck.get(f"{name}{SEP}{f}") for f in fields.get(name, [])}
+
+
+def weights_stream(pol: Policy, base: Checkpoint, state_path: Path, coeffs: list[float],
+                   dev: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+    """θ(α) = θ₀ + Σ αᵢ dᵢ rebuilt from the policy state at ``state_path``, tensor by tensor.
+
+    Yields ``(name, tensor)`` in θ₀'s order: float tensors as float32 on ``dev``, others as stored.
+    What a coefficient search's objective reads (MDM-OC, METHODS.md "CMA-ES coefficients").
+    """
+    read = _state_reader(state_path)
+    for m in base.metas():
+        if not is_float_dtype(m.dtype):
+            yield m.name, base.get(m.name)
+            continue
+        b = base.get(m.name).to(dev, torch.float32)
+        st = {k: v.to(dev) for k, v in read(m.name).items()}
+        yield m.name, pol.rebuild(b, st, coeffs) if st else b
+
+
+def _optimise_coefficients(pol: Policy, base: Checkpoint, state_path: Path, start: list[float],
+                           anchor: list[float], objective: Objective,
+                           dev: torch.device) -> tuple[list[float], dict[str, float]]:
+    p = pol.params
+    seen: list[float] = []
+
+    def f(alphas: np.ndarray) -> float:
+        v = float(objective(alphas, lambda: weights_stream(pol, base, state_path, list(alphas), dev)))
+        seen.append(v)
+        return v
+
+    best, loss, evals = cmaes_coefficients(f, start, anchor, stability=p.stability, budget=p.budget, sigma=p.sigma)
+    start_pen = seen[0] + p.stability * stability_penalty(start, anchor)
+    log.info("cmaes coefficients=%s objective_start=%.6g objective=%.6g evaluations=%d",
+             [round(float(x), 4) for x in best], start_pen, loss, evals)
+    return [float(x) for x in best], {"evaluations": float(evals), "objective_start": start_pen, "objective": float(loss)}
+
+
+def _rewrite_from_state(pol: Policy, base: Checkpoint, state_path: Path, coeffs: list[float],
+                        writer: ModelWriter, dev: torch.device, threads: int | None, aliases: dict[str, str]) -> None:
+    """Write θ(α) = θ₀ + Σ αᵢ dᵢ from the state: the output of a coefficient search, written once."""
+    read = _state_reader(state_path)
+
+    def load(name: str):
+        return None if name in aliases else (base.get(name), read(name))
+
+    def work(name: str, item) -> None:
+        b, st = item
+        meta = base.meta(name)
+        if is_float_dtype(meta.dtype) and st:
+            t = pol.rebuild(b.to(dev, torch.float32), {k: v.to(dev) for k, v in st.items()}, coeffs)
+            b = cast_checked(t, meta.dtype, name)
+        write_with_aliases(writer, name, b, aliases)
+
+    run_stream(canonical_order(base), load, work, threads=worker_threads(threads))
+
+
+def merge(base: str | os.PathLike, experts: list[str | os.PathLike], policy: str | Policy,
+          params: dict[str, Any] | None = None, *, out: str | os.PathLike, device: str = "cpu",
+          threads: int | None = 1, max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False,
+          progress: bool = False) -> FoldReport:
+    """Offline merge of K experts at once: θ = θ₀ + policy.merge_tensor(θ₀, [τ₁..τ_K]).
+
+    Each expert is read once (hashed on the way). Memory: K + 2 tensors per worker. Raises the
+    same errors as :func:`fold`.
+    """
+    pin_mmap_threshold()
+    t0 = time.perf_counter()
+    pol = policy if isinstance(policy, Policy) else make_policy(policy, params)
+    dev = resolve_device(device)
+    if not experts:
+        raise MergestreamError("merge needs at least one expert")
+    if Path(out).exists() and not overwrite:
+        raise OutputExistsError(f"{out} already exists; choose a new output path")
+    base_ck = open_checkpoint(base)
+    exps = [open_expert(e, base_ck) for e in experts]
+    try:
+        for e in exps:
+            validate_against_base(base_ck, e, role="expert", deep=False)
+        aliases = tied_groups(base_ck)
+        loaders = [ExpertLoader(e, base_ck, aliases, f"expert {e.path}") for e in exps]
+        metas = base_ck.metas()
+        stats = Stats()
+        bar = Progress(sum(m.nbytes for m in metas), len(metas), "merge", progress)
+
+        def load(name: str):
+            items = [ld.load(name) if (not ld.dense or name in ld.reader.ckpt) else None for ld in loaders]
+            return None if items[0] is None else items
+
+        with staged_output(out, overwrite=overwrite) as stage:
+            planned = [{"id": default_expert_id(p), "sha256": NO_HASH} for p in experts]
+            writer = ModelWriter(stage, metas, provenance(pol, planned, base_ck), max_shard_bytes)
+            try:
+                def work(name: str, items) -> None:
+                    meta = base_ck.meta(name)
+                    if items[0][0] == "frozen":
+                        write_with_aliases(writer, name, items[0][1], aliases)
+                        return
+                    b = base_ck.get(name).to(dev, torch.float32)
+                    taus = []
+                    for (_, e), ld, ex in zip(items, loaders, exps):
+                        if e is None:
+                            taus.append(ex.task_vector(name, b).to(dev))
+                            check_finite_tensor(name, taus[-1], f"LoRA delta of {ld.where}")
+                        else:
+                            check_finite_tensor(name, e, ld.where)
+                            taus.append(e.to(dev, torch.float32).sub_(b))
+                    ctx = TensorContext(name, 0, (), is_embedding_name(name), seed_of(name))
+                    result = cast_checked(b.add_(pol.merge_tensor(b, taus, ctx)), meta.dtype, name)
+                    write_with_aliases(writer, name, result, aliases)
+                    stats.add({}, meta.numel, meta.nbytes * (1 + len(exps)))
+
+                run_stream(canonical_order(base_ck), load, work, threads=worker_threads(threads), progress=bar, prefetch=0,
+                           sizes=lambda n: base_ck.meta(n).nbytes, budget=largest(metas))
+                shas = [ld.reader.sha256() if ld.dense else e.sha256() for ld, e in zip(loaders, exps)]
+                records = [{"id": default_expert_id(p), "sha256": s} for p, s in zip(experts, shas)]
+                writer.set_metadata(provenance(pol, records, base_ck))
+                writer.close()
+                copy_aux_files(base_ck, stage)
+            except BaseException:
+                writer.abort()
+                raise
+            finally:
+                bar.close()
+    finally:
+        for e in exps:
+            e.close()
+        base_ck.close()
+    return FoldReport(out=str(out), policy=pol.name, params=pol.describe(), experts=[r["id"] for r in records],
+                      seconds=time.perf_counter() - t0, bytes_read=stats.bytes_read,
+                      bytes_written=writer.bytes_written, stats=stats.summary(), sha256=shas)

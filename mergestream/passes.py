@@ -1,0 +1,216 @@
+"""What every streaming pass shares: the report, the expert loader, casting and writing results.
+
+The fold and the offline merge (:mod:`.folding`), the unmerge (:mod:`.unmerge`) and the θ₀ copy
+all run on :func:`mergestream.stream.run_stream`; this module holds the pieces they have in common
+so that each pass reads as its own math. Tensors are float32 for the math and cast back to the
+storage dtype of θ₀ on the CPU before they are written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .checkpoints import (
+    DEFAULT_SHARD_BYTES,
+    Checkpoint,
+    DenseExpert,
+    check_frozen,
+    is_float_dtype,
+    open_checkpoint,
+    validate_against_base,
+)
+from .errors import NonFiniteError
+from .policies import Policy, make_policy
+from .st import name_order
+from .stream import ExpertReader, default_threads, run_stream
+from .writers import ModelWriter, copy_aux_files, staged_output
+
+
+@dataclass
+class FoldReport:
+    """What one fold (or merge / unmerge) did.
+
+    Attributes:
+        seconds: wall time of the whole call (s). bytes_read / bytes_written: tensor data (bytes).
+        stats: policy statistics averaged over tensors (e.g. ``kept_fraction``).
+        coefficients: MDM-OC's α of every folded expert after this fold.
+        search: for CMA-ES coefficients, ``{"evaluations", "objective_start", "objective"}`` (the
+            penalised objective at the starting α and at the chosen α; lower is better).
+        sha256: the content hash of each expert read (computed on the fold's own pass).
+    """
+
+    out: str
+    policy: str
+    params: dict[str, Any]
+    experts: list[str]
+    seconds: float = 0.0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    stats: dict[str, float] = field(default_factory=dict)
+    coefficients: list[float] | None = None
+    search: dict[str, float] | None = None
+    sha256: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+#: a same-length placeholder for a content hash known only at the end of the pass
+NO_HASH = "0" * 64
+
+
+def seed_of(name: str) -> int:
+    return zlib.crc32(name.encode()) & 0x7FFFFFFF
+
+
+class Stats:
+    """Policy statistics and bytes read, summed over tensors from worker threads."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.sums: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+        self.kept = 0.0
+        self.numel = 0
+        self.bytes_read = 0
+
+    def add(self, stats: dict[str, float], numel: int, nbytes: int) -> None:
+        with self.lock:
+            self.bytes_read += nbytes
+            for k, v in stats.items():
+                if k == "kept":
+                    self.kept += v
+                    self.numel += numel
+                else:
+                    self.sums[k] = self.sums.get(k, 0.0) + v
+                    self.counts[k] = self.counts.get(k, 0) + 1
+
+    def summary(self) -> dict[str, float]:
+        out = {k: self.sums[k] / self.counts[k] for k in self.sums}
+        if self.numel:
+            out["kept_fraction"] = self.kept / self.numel
+        return out
+
+
+def cast_checked(x: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
+    """``x`` (a fold's or unmerge's result) cast to the storage dtype on the CPU; NonFiniteError if
+    it is not finite there (overflow)."""
+    out = x.to(dtype) if x.dtype != dtype else x
+    out = out.cpu() if out.device.type != "cpu" else out
+    if out.is_floating_point() and out.numel() and not bool(torch.isfinite(out.sum(dtype=torch.float32))) \
+            and not bool(torch.isfinite(out).all()):
+        raise NonFiniteError(f"tensor {name}: the result is not finite in {dtype} (overflow?); nothing written")
+    return out
+
+
+def write_with_aliases(writer: ModelWriter, name: str, result: torch.Tensor, aliases: dict[str, str]) -> None:
+    """Write a tensor and every tensor tied to it in θ₀ (same bytes)."""
+    writer.write(name, result)
+    for alias, primary in aliases.items():
+        if primary == name:
+            writer.write(alias, result)
+
+
+def provenance(policy: Policy, records: list[dict[str, str]], base: Checkpoint) -> dict[str, str]:
+    return {
+        "format": "pt",
+        "mergestream.policy": policy.name,
+        "mergestream.params": json.dumps(policy.describe(), sort_keys=True),
+        "mergestream.experts": json.dumps([r["id"] for r in records]),
+        "mergestream.expert_sha256": json.dumps([r["sha256"] for r in records]),
+        "mergestream.n_folds": str(len(records)),
+        "mergestream.base": str(base.path),
+    }
+
+
+def open_base_and_backbone(base: str | os.PathLike, backbone: str | os.PathLike | None) -> tuple[Checkpoint, Checkpoint]:
+    b = open_checkpoint(base)
+    if backbone is None or Path(backbone).resolve() == Path(base).resolve():
+        return b, b
+    cur = open_checkpoint(backbone)
+    validate_against_base(b, cur, role="backbone", check_finite=False, deep=False)
+    return b, cur
+
+
+def largest(metas) -> int:
+    """Bytes of the largest tensor (the memory budget of the whole-tensor jobs alive at once)."""
+    return max((m.nbytes for m in metas), default=0)
+
+
+def worker_threads(threads: int | None) -> int:
+    return default_threads() if threads is None or threads <= 0 else threads
+
+
+class ExpertLoader:
+    """The fold's loader: reads (and hashes) the expert in canonical order, checks frozen tensors.
+
+    ``load(name)`` returns ``(expert tensor or None, prev)`` for the worker, or None for a tensor
+    the worker skips (an alias tied in θ₀: written with its primary). LoRA experts have no dense
+    tensor to stream: the worker builds τ from the factors.
+    """
+
+    def __init__(self, exp, base: Checkpoint, aliases: dict[str, str], where: str, buffers: int = 0):
+        self.dense = isinstance(exp, DenseExpert)
+        self.reader = ExpertReader(exp.ckpt, buffers) if self.dense else None
+        self.base = base
+        self.aliases = aliases
+        self.where = where
+        self.names = self.reader.order() if self.dense else [n for n in canonical_order(base) if n not in aliases]
+
+    def load(self, name: str):
+        e = self.reader.read(name) if self.dense else None
+        if name in self.aliases:
+            self._drop(e)
+            return None
+        meta = self.base.meta(name)
+        if not is_float_dtype(meta.dtype):
+            want = self.base.get(name)
+            try:
+                if e is not None:
+                    check_frozen(name, e, want, self.where, self.base.path)
+            finally:
+                self._drop(e)
+            return ("frozen", want)
+        return ("float", e)
+
+    def _drop(self, e) -> None:
+        if e is not None:
+            self.reader.release(e)
+
+    def release(self, item) -> None:
+        """Hand a job's expert buffer back to the reader's pool."""
+        if item is not None and self.reader is not None and item[0] == "float":
+            self.reader.release(item[1])
+
+
+def canonical_order(ck: Checkpoint) -> list[str]:
+    """θ₀'s tensor names in canonical order (the order every pass loads them in)."""
+    return name_order(ck.keys())
+
+
+def copy_base(base: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False,
+              max_shard_bytes: int = DEFAULT_SHARD_BYTES, threads: int | None = 1) -> FoldReport:
+    """Write θ₀ itself as a backbone (the result of removing every expert), through the stream."""
+    pol = make_policy("task_arithmetic", {"lambda": 0.0})
+    base_ck = open_checkpoint(base)
+    try:
+        with staged_output(out, overwrite=overwrite) as stage:
+            w = ModelWriter(stage, base_ck.metas(), provenance(pol, [], base_ck), max_shard_bytes)
+            try:
+                run_stream(canonical_order(base_ck), base_ck.get, w.write, threads=worker_threads(threads))
+                w.close()
+            except BaseException:
+                w.abort()
+                raise
+            copy_aux_files(base_ck, stage)
+    finally:
+        base_ck.close()
+    return FoldReport(out=str(out), policy="base", params={}, experts=[], bytes_written=w.bytes_written)
