@@ -30,13 +30,11 @@ from ._alloc import pin_mmap_threshold
 from .checkpoints import (
     DEFAULT_SHARD_BYTES,
     Checkpoint,
-    DenseExpert,
     check_finite_tensor,
     default_expert_id,
     is_embedding_name,
     is_float_dtype,
     open_checkpoint,
-    open_expert,
     open_safetensors_file,
     tied_groups,
     validate_against_base,
@@ -48,6 +46,7 @@ from .errors import (
     PolicyError,
     StateError,
 )
+from .expert_readers import DenseExpert, open_expert
 from .inspection import resolve_device
 from .passes import (
     NO_HASH,

@@ -9,8 +9,9 @@ from typing import Any
 
 import torch
 
-from .checkpoints import default_expert_id, is_float_dtype, open_checkpoint, open_expert, validate_against_base
+from .checkpoints import default_expert_id, is_float_dtype, open_checkpoint, validate_against_base
 from .errors import MergestreamError
+from .expert_readers import open_expert
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

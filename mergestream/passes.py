@@ -21,13 +21,13 @@ import torch
 from .checkpoints import (
     DEFAULT_SHARD_BYTES,
     Checkpoint,
-    DenseExpert,
     check_frozen,
     is_float_dtype,
     open_checkpoint,
     validate_against_base,
 )
 from .errors import NonFiniteError
+from .expert_readers import DenseExpert
 from .policies import Policy, make_policy
 from .st import name_order
 from .stream import ExpertReader, default_threads, run_stream

@@ -38,7 +38,7 @@ class FoldRecord:
 
     Attributes:
         sha256: the expert's content hash; ``sha256_kind`` says which definition: ``"weights"``
-            (:func:`mergestream.checkpoints.content_sha256`, the one definition) or ``"files"``
+            (:func:`mergestream.expert_readers.content_sha256`, the one definition) or ``"files"``
             (states written before it: the weight files' bytes).
         contribution: the residual file subtract-unmerge uses (:mod:`mergestream.residuals`).
         exact_restore: the current backbone is still exactly this fold's output, so subtracting

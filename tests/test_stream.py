@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from mergestream import engine, residuals, stream
-from mergestream.checkpoints import Checkpoint, content_sha256, open_checkpoint, read_state_dict
+from mergestream.checkpoints import Checkpoint, open_checkpoint, read_state_dict
 from mergestream.errors import FrozenTensorMismatchError, NonFiniteError
+from mergestream.expert_readers import content_sha256
 from mergestream.patches import weights_sha256
 from mergestream.state import StateDir
 

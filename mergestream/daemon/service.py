@@ -26,8 +26,8 @@ from typing import Any
 
 from .. import engine
 from ..config import Config
-from ..checkpoints import content_sha256
 from ..errors import CheckpointError, MergestreamError, ValidationError
+from ..expert_readers import content_sha256
 from ..state import StateDir
 from . import gate
 from .ledger import ExpertRow, Ledger

@@ -1,0 +1,317 @@
+"""What the fold reads as an expert: a dense checkpoint or a PEFT LoRA adapter, both seen as task
+vectors τ = θ − θ₀, and the one content hash that identifies an expert.
+
+:func:`open_expert` opens either against θ₀; :class:`LoraExpert` presents an adapter as dense
+deltas τ = scaling · B @ A per target weight (Hu et al. 2021, LoRA, eq. 3; rsLoRA scaling from
+Kalajdzievski 2023). :func:`content_sha256` is the ledger's, the manifest's and the output
+metadata's hash of an expert. Dense tensors are read through :mod:`mergestream.checkpoints`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from .checkpoints import (
+    Checkpoint,
+    TensorMeta,
+    count_non_finite,
+    file_sha256,
+    is_embedding_name,
+    open_checkpoint,
+    open_safetensors_file,
+)
+from .errors import (
+    CorruptCheckpointError,
+    ExtraKeyError,
+    MissingShardError,
+    NonFiniteError,
+    ShapeMismatchError,
+    UnsupportedCheckpointError,
+    VocabularyGrownError,
+)
+
+
+class Expert(Protocol):
+    """What the engine needs of an expert: its tensors' metadata and its task vector per tensor."""
+
+    path: Path
+
+    def keys(self) -> list[str]: ...
+
+    def meta(self, name: str) -> TensorMeta: ...
+
+    def task_vector(self, name: str, base: torch.Tensor) -> torch.Tensor:
+        """τ for ``name`` as float32, given θ₀'s tensor (any dtype, same shape)."""
+        ...
+
+    def sha256(self) -> str: ...
+
+    def close(self) -> None: ...
+
+
+class DenseExpert:
+    """A full fine-tuned checkpoint used as an expert: τ = θ − θ₀ computed in float32."""
+
+    def __init__(self, ckpt: Checkpoint):
+        self.ckpt = ckpt
+        self.path = ckpt.path
+
+    def keys(self) -> list[str]:
+        return self.ckpt.keys()
+
+    def meta(self, name: str) -> TensorMeta:
+        return self.ckpt.meta(name)
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.ckpt.get(name)
+
+    def task_vector(self, name: str, base: torch.Tensor) -> torch.Tensor:
+        """τ = θ − θ₀ in float32 (computed in place in the freshly read expert buffer)."""
+        t = self.ckpt.get(name)
+        t = t.float() if t.dtype != torch.float32 else t
+        return t.sub_(base.to(t.device, torch.float32))
+
+    def sha256(self) -> str:
+        return self.ckpt.sha256()
+
+    def close(self) -> None:
+        self.ckpt.close()
+
+
+_LORA_KEY = re.compile(r"^(?P<module>.+)\.(?P<kind>lora_A|lora_B|lora_embedding_A|lora_embedding_B)"
+                       r"(?:\.(?P<adapter>[^.]+))?(?:\.weight)?$")
+_LORA_UNSUPPORTED_FLAGS = {
+    "use_dora": "DoRA (weight-decomposed LoRA) cannot be represented as a dense additive delta",
+    "lora_bias": "LoRA with a trained bias term is not supported",
+    "layer_replication": "layer replication changes the architecture",
+    "target_parameters": "LoRA on raw parameters (target_parameters) is not supported",
+}
+
+
+class LoraExpert:
+    """A PEFT LoRA adapter folder presented as dense task vectors.
+
+    For each target weight W (out × in): τ = scaling · B @ A with scaling = lora_alpha / r, or
+    lora_alpha / √r with ``use_rslora`` (Kalajdzievski 2023, rsLoRA). ``fan_in_fan_out`` transposes
+    the delta (Conv1D-style weights stored in × out); embedding adapters use τ = (B @ A)ᵀ. Weights
+    the adapter does not target have τ = 0. ``alpha_pattern`` and ``rank_pattern`` are honoured
+    (r is read from A's shape).
+
+    Raises:
+        UnsupportedCheckpointError: DoRA, a non-LORA ``peft_type``, ``modules_to_save``, trained
+            LoRA biases, conv LoRA, or any other variant that is not ``scale · B @ A``.
+    """
+
+    def __init__(self, folder: Path, base_keys: list[str], base_meta):
+        self.path = folder
+        cfg_path = folder / "adapter_config.json"
+        try:
+            cfg = json.loads(cfg_path.read_text())
+        except ValueError as exc:
+            raise CorruptCheckpointError(f"{cfg_path}: unreadable JSON ({exc})") from exc
+        self.config = cfg
+        peft_type = str(cfg.get("peft_type", "LORA")).upper()
+        if peft_type != "LORA":
+            raise UnsupportedCheckpointError(f"{folder}: peft_type {peft_type} is not LoRA; only LoRA adapters fold")
+        for flag, why in _LORA_UNSUPPORTED_FLAGS.items():
+            if cfg.get(flag):
+                raise UnsupportedCheckpointError(f"{folder}: adapter sets {flag}: {why}")
+        if cfg.get("modules_to_save"):
+            raise UnsupportedCheckpointError(
+                f"{folder}: adapter has modules_to_save {cfg['modules_to_save']}: full module copies are "
+                "not a LoRA delta; merge them into a dense expert first")
+        weights = folder / "adapter_model.safetensors"
+        if not weights.is_file():
+            legacy = folder / "adapter_model.bin"
+            if legacy.is_file():
+                self._ckpt = open_checkpoint(legacy)
+            else:
+                raise UnsupportedCheckpointError(f"{folder}: adapter_model.safetensors is missing")
+        else:
+            self._ckpt = open_safetensors_file(weights)
+        self.fan_in_fan_out = bool(cfg.get("fan_in_fan_out", False))
+        self.use_rslora = bool(cfg.get("use_rslora", False))
+        self.lora_alpha = float(cfg.get("lora_alpha", 8))
+        self.alpha_pattern: dict[str, float] = cfg.get("alpha_pattern") or {}
+        pairs: dict[str, dict[str, str]] = {}
+        #: copies of base weights PEFT saves for targeted embeddings ({base key: adapter key});
+        #: validation requires them to equal θ₀.
+        self.base_layer_copies: dict[str, str] = {}
+        base_set = set(base_keys)
+        for k in self._ckpt.keys():
+            if ".base_layer." in k:
+                target = self._resolve(k.removeprefix("base_model.model.").replace(".base_layer.", "."), base_set)
+                if target is None:
+                    raise ExtraKeyError(f"adapter {folder} ships {k!r}, which matches no tensor of the base")
+                self.base_layer_copies[target] = k
+                continue
+            m = _LORA_KEY.match(k)
+            if not m:
+                raise UnsupportedCheckpointError(f"{folder}: adapter tensor {k!r} is not a LoRA A/B matrix")
+            module = m["module"]
+            if module.startswith("base_model.model."):
+                module = module[len("base_model.model."):]
+            kind = m["kind"].replace("embedding_", "")
+            pairs.setdefault(module, {})[kind] = k
+            if "embedding" in m["kind"]:
+                pairs[module]["embedding"] = "1"
+        self._targets: dict[str, dict[str, str]] = {}
+        for module, kinds in pairs.items():
+            if "lora_A" not in kinds or "lora_B" not in kinds:
+                raise CorruptCheckpointError(f"{folder}: module {module!r} has only one of lora_A / lora_B")
+            a_shape = self._ckpt.meta(kinds["lora_A"]).shape
+            if len(a_shape) != 2:
+                raise UnsupportedCheckpointError(
+                    f"{folder}: module {module!r} has a {len(a_shape)}-D LoRA matrix (conv LoRA is not supported)")
+            target = self._resolve(module + ".weight", base_set)
+            if target is None:
+                raise ExtraKeyError(
+                    f"LoRA target {module}.weight (adapter {folder}) has no matching tensor in the base")
+            self._targets[target] = kinds
+        self._base_meta = base_meta
+        self._sha: str | None = None
+
+    @staticmethod
+    def _resolve(key: str, base_set: set[str]) -> str | None:
+        if key in base_set:
+            return key
+        hits = [b for b in base_set if b.endswith("." + key) or key.endswith("." + b)]
+        return hits[0] if len(hits) == 1 else None
+
+    def _scaling(self, module: str, r: int) -> float:
+        alpha = self.lora_alpha
+        for pattern, value in self.alpha_pattern.items():
+            if re.fullmatch(rf"(.*\.)?{pattern}", module):
+                alpha = float(value)
+        return alpha / math.sqrt(r) if self.use_rslora else alpha / r
+
+    def adapter_meta(self, key: str) -> TensorMeta:
+        """Shape/dtype of a raw adapter tensor."""
+        return self._ckpt.meta(key)
+
+    def adapter_tensor(self, key: str) -> torch.Tensor:
+        """A raw adapter tensor as stored."""
+        return self._ckpt.get(key)
+
+    def keys(self) -> list[str]:
+        """The base weights this adapter changes (others have τ = 0)."""
+        return list(self._targets)
+
+    def meta(self, name: str) -> TensorMeta:
+        return self._base_meta(name)
+
+    def delta_shape(self, name: str) -> tuple[int, ...]:
+        kinds = self._targets[name]
+        a = self._ckpt.meta(kinds["lora_A"]).shape
+        b = self._ckpt.meta(kinds["lora_B"]).shape
+        shape = (b[0], a[1])
+        if self.fan_in_fan_out or "embedding" in kinds:
+            shape = shape[::-1]
+        return shape
+
+    def task_vector(self, name: str, base: torch.Tensor) -> torch.Tensor:
+        """τ = scaling · B @ A (float32) for a target; zeros of θ₀'s shape otherwise."""
+        kinds = self._targets.get(name)
+        if kinds is None:
+            return torch.zeros(base.shape, dtype=torch.float32, device=base.device)
+        a = self._ckpt.get(kinds["lora_A"]).to(base.device, torch.float32)
+        b = self._ckpt.get(kinds["lora_B"]).to(base.device, torch.float32)
+        delta = (b @ a).mul_(self._scaling(name.rsplit(".", 1)[0], a.shape[0]))
+        if self.fan_in_fan_out or "embedding" in kinds:
+            delta = delta.T.contiguous()
+        return delta
+
+    def sha256(self) -> str:
+        """The adapter's content hash (:func:`content_sha256`)."""
+        if self._sha is None:
+            self._sha = content_sha256(self.path)
+        return self._sha
+
+    def close(self) -> None:
+        self._ckpt.close()
+
+    #: validate_against_base hands an adapter to :meth:`validate_against`
+    is_adapter = True
+
+    def validate_against(self, base: Checkpoint, *, role: str = "expert", check_finite: bool = True) -> None:
+        """Check the adapter against θ₀: saved base-layer copies equal θ₀, every delta B @ A has its
+        target's shape, and (``check_finite``) every delta is finite.
+
+        Raises:
+            VocabularyGrownError, ShapeMismatchError: a base-layer copy or a delta of another shape.
+            UnsupportedCheckpointError: a saved base-layer copy differs from θ₀.
+            NonFiniteError: a delta holds NaN or ±Inf.
+        """
+        where = str(self.path)
+        for name, key in self.base_layer_copies.items():
+            want, got = base.meta(name), self.adapter_meta(key)
+            if got.shape != want.shape:
+                if is_embedding_name(name):
+                    raise VocabularyGrownError(
+                        f"tensor {name}: {role} {where} ships a base layer with {got.shape[0]} rows, base "
+                        f"{base.path} has {want.shape[0]}: the vocabulary was resized. Hint: resize the base's "
+                        "embeddings the same way before merging")
+                raise ShapeMismatchError(f"tensor {name}: shape {list(got.shape)} in {role} {where} vs "
+                                         f"{list(want.shape)} in base {base.path}")
+            if not torch.equal(self.adapter_tensor(key), base.get(name)):
+                raise UnsupportedCheckpointError(
+                    f"tensor {name}: {role} {where} ships a modified copy of the base layer; only scale·B@A deltas fold")
+        for name in self.keys():
+            want = base.meta(name).shape
+            got = self.delta_shape(name)
+            if got != want:
+                raise ShapeMismatchError(
+                    f"LoRA delta for {name}: shape {list(got)} in {role} {where} vs {list(want)} in base {base.path}")
+        if check_finite:
+            for name in self.keys():
+                tau = self.task_vector(name, torch.zeros(()))
+                if count_non_finite(tau):
+                    raise NonFiniteError(f"tensor {name}: LoRA delta of {role} {where} holds NaN or Inf")
+
+
+def is_lora_adapter(path: str | os.PathLike) -> bool:
+    p = Path(path)
+    return p.is_dir() and (p / "adapter_config.json").is_file()
+
+
+def open_expert(path: str | os.PathLike, base: Checkpoint) -> DenseExpert | LoraExpert:
+    """Open an expert against its base θ₀: a dense checkpoint or a PEFT LoRA adapter folder."""
+    if is_lora_adapter(path):
+        return LoraExpert(Path(path), base.keys(), base.meta)
+    return DenseExpert(open_checkpoint(path))
+
+
+def content_sha256(path: str | os.PathLike) -> str:
+    """The one content hash of an expert (64 hex characters), whatever its form.
+
+    - a dense safetensors checkpoint (file, folder, sharded): the weights hash of
+      :mod:`mergestream.st` (independent of file names, sharding, header layout and metadata);
+    - a PEFT LoRA adapter folder: sha256 of a tag, ``adapter_config.json``'s bytes and the
+      adapter weights' content hash;
+    - anything else (legacy pickle, a file that does not parse): sha256 of a tag and the bytes of
+      its files (a folder's files in relative-name order, a ``READY`` marker excluded), so a corrupt
+      expert still gets one stable identity.
+
+    The engine computes the same value for a dense expert on the fold's own pass.
+    """
+    p = Path(path)
+    try:
+        if is_lora_adapter(p):
+            cfg = (p / "adapter_config.json").read_bytes()
+            weights = p / "adapter_model.safetensors"
+            inner = content_sha256(weights if weights.is_file() else p / "adapter_model.bin")
+            return hashlib.sha256(b"mergestream-adapter-sha256/1\x00" + cfg + bytes.fromhex(inner)).hexdigest()
+        with open_checkpoint(p) as ck:
+            return ck.sha256()
+    except (CorruptCheckpointError, UnsupportedCheckpointError, MissingShardError, FileNotFoundError, OSError):
+        pass
+    files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file() and f.name != "READY")
+    return file_sha256(files)
