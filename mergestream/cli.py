@@ -55,6 +55,27 @@ def _load_entry_point(spec: str):
         raise MergestreamError(f"cannot load objective {spec!r}: {exc}") from exc
 
 
+class PolicyName(click.ParamType):
+    """A registered policy name; the registry (which imports torch) is read only when needed."""
+
+    name = "policy"
+
+    def convert(self, value, param, ctx):
+        from .policies import policy_names
+
+        if value not in policy_names():
+            self.fail(f"unknown policy {value!r}; known: {', '.join(policy_names())}", param, ctx)
+        return value
+
+    def get_metavar(self, *args, **kwargs) -> str:
+        from .policies import policy_names
+
+        return "[" + "|".join(policy_names()) + "]"
+
+
+POLICY = PolicyName()
+
+
 def _engine_options(fn):
     fn = click.option("--device", default="cpu", show_default=True,
                       help="where the math runs: cpu, cuda, cuda:1 (tensors stream from CPU)")(fn)
@@ -78,7 +99,7 @@ def cli(verbose: int) -> None:
 @click.option("--base", required=True, type=click.Path(), help="the pretrained base θ₀")
 @click.option("--backbone", type=click.Path(), help="the current backbone θ_{t−1} (default: the base)")
 @click.option("--expert", required=True, type=click.Path(), help="expert checkpoint or LoRA adapter folder")
-@click.option("--policy", required=True, help="task_arithmetic | ties | safe_merge | mdm_oc | opcm | magmax")
+@click.option("--policy", required=True, type=POLICY, help="merge policy (the README's policy table)")
 @click.option("--set", "sets", multiple=True, metavar="NAME=VALUE", help="policy parameter (names in the README's policy table)")
 @click.option("--state", "state_dir", required=True, type=click.Path(), help="policy state folder")
 @click.option("--out", required=True, type=click.Path(), help="output model folder (must not exist)")
@@ -101,7 +122,7 @@ def fold_cmd(base, backbone, expert, policy, sets, state_dir, out, expert_id, ob
 
 @cli.command("merge")
 @click.option("--base", required=True, type=click.Path(), help="the pretrained base θ₀")
-@click.option("--policy", required=True, help="policy name")
+@click.option("--policy", required=True, type=POLICY, help="merge policy (the README's policy table)")
 @click.option("--set", "sets", multiple=True, metavar="NAME=VALUE", help="policy parameter")
 @click.option("--out", required=True, type=click.Path(), help="output model folder (must not exist)")
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
@@ -197,14 +218,12 @@ def _operator(config_path: str, verb: str, arg: str | None) -> None:
 @cli.command("init")
 @click.argument("folder", type=click.Path())
 @click.option("--base", required=True, type=click.Path(exists=True), help="the pretrained base θ₀")
-@click.option("--policy", default="task_arithmetic", show_default=True, help="merge policy")
+@click.option("--policy", default="task_arithmetic", show_default=True, type=POLICY, help="merge policy")
 @_fail_cleanly
 def init_cmd(folder, base, policy) -> None:
     """Write a commented starter FOLDER/config.yaml (inbox FOLDER/inbox, state FOLDER/state)."""
     from .config import write_starter
-    from .policies import make_policy
 
-    make_policy(policy)
     path = write_starter(folder, base, policy)
     click.echo(f"wrote {path}; start the daemon with: mergestream run --config {path}")
 

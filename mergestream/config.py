@@ -16,7 +16,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from .errors import MergestreamError
+from .errors import MergestreamError, PolicyError
+from .policies import Policy, make_policy, parameter_names, policy_names
 
 
 class ConfigError(MergestreamError):
@@ -63,7 +64,7 @@ class ObjectiveConfig(_Section):
 class PolicyConfig(_Section):
     """The merge policy and its parameters (names as in METHODS.md)."""
 
-    name: str = Field("task_arithmetic", description="task_arithmetic | ties | safe_merge | mdm_oc | opcm | magmax")
+    name: str = Field("task_arithmetic", description=" | ".join(policy_names()))
     params: dict[str, Any] = Field(default_factory=dict, description="policy parameters, e.g. {lambda: 0.3}")
     unmerge_mode: Literal["subtract", "replay"] = Field("subtract", description="how `unmerge EXPERT` removes an expert")
     preprocess: list[Literal["ri"]] = Field(default_factory=list, description="pre-steps applied to each expert")
@@ -76,6 +77,22 @@ class PolicyConfig(_Section):
         if len(set(v)) != len(v):
             raise ValueError("each pre-step may appear once")
         return v
+
+    @model_validator(mode="after")
+    def _policy_exists(self) -> PolicyConfig:
+        self.make()  # an unknown name or a bad parameter is refused when the config loads, not per expert
+        return self
+
+    def make(self) -> Policy:
+        """The configured :class:`~mergestream.policies.Policy`.
+
+        Raises:
+            ValueError: unknown policy name or bad parameters (a config error, reported by pydantic).
+        """
+        try:
+            return make_policy(self.name, self.params)
+        except PolicyError as exc:
+            raise ValueError(str(exc)) from None
 
     @model_validator(mode="after")
     def _ri_needs_data(self) -> PolicyConfig:
@@ -206,10 +223,10 @@ class Config(BaseSettings):
     @model_validator(mode="after")
     def _cmaes_needs_data_probes(self) -> Config:
         p = self.policy
-        if p.name == "mdm_oc" and p.params.get("coefficients") == "cmaes" and \
+        if p.make().searches_coefficients() and \
                 not any(q.type in ("classification", "sentence_similarity") for q in self.probes):
-            raise ValueError("mdm_oc with coefficients: cmaes optimises the data probes: add a classification "
-                             "and/or sentence_similarity probe")
+            raise ValueError(f"{p.name} with {p.params} searches its coefficients on the data probes: add a "
+                             "classification and/or sentence_similarity probe")
         return self
 
     @classmethod
@@ -267,9 +284,7 @@ STARTER = """\
 base: {base}
 
 # The merge policy and its parameters (the README's policy table lists them all):
-#   task_arithmetic {{lambda}} | ties {{lambda, k}} | safe_merge {{rho, lambda, k, k_s, rank, steps, lambda_old}}
-#   mdm_oc {{alpha, rank, coefficients}} | opcm {{alpha}} | magmax {{lambda}}
-policy:
+{policies}policy:
   name: {policy}
   params: {{}}
   unmerge_mode: subtract        # how `mergestream unmerge EXPERT` removes an expert: subtract | replay
@@ -336,6 +351,11 @@ gate:
 """
 
 
+def _policy_lines() -> str:
+    """The starter's comment listing every registered policy with its parameter names."""
+    return "".join(f"#   {name}: {', '.join(parameter_names(name))}\n" for name in policy_names())
+
+
 def write_starter(folder: str | os.PathLike, base: str, policy: str = "task_arithmetic") -> Path:
     """Write ``folder/config.yaml`` (commented) and create ``folder/inbox``; returns the file path.
 
@@ -348,6 +368,6 @@ def write_starter(folder: str | os.PathLike, base: str, policy: str = "task_arit
     if path.exists():
         raise ConfigError(f"{path} already exists")
     (d / "inbox").mkdir(exist_ok=True)
-    path.write_text(STARTER.format(base=str(Path(base).resolve()), policy=policy))
+    path.write_text(STARTER.format(base=str(Path(base).resolve()), policy=policy, policies=_policy_lines()))
     load_config(path)  # the starter must always validate
     return path

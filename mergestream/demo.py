@@ -39,6 +39,7 @@ from typing import Any
 import click
 
 from . import experts as X
+from .policies import policy_names
 
 #: Default task subset: three short-text tasks, so the whole demo stays under 10 minutes from an
 #: empty cache on 2 cores (plus the harmful expert, which is built on sst2 with 40 steps).
@@ -444,8 +445,8 @@ def print_summary(res: DemoResult, console=None) -> None:
 
 
 @click.command("demo")
-@click.option("--policy", default="task_arithmetic", show_default=True,
-              help="merge policy (task_arithmetic, ties, safe_merge, mdm_oc, opcm, magmax)")
+@click.option("--policy", default="task_arithmetic", show_default=True, type=click.Choice(policy_names()),
+              help="merge policy")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="policy parameter (repeatable)")
 @click.option("--tasks", default=",".join(DEFAULT_TASKS), show_default=True,
               help=f"comma-separated tasks from shared/data/tasks ({', '.join(X.STREAM_TASKS + X.EXTRA_TASKS)})")

@@ -178,10 +178,7 @@ def replay(sd: StateDir, k: int, *, out, base, device, threads, max_shard_bytes,
         backbone = None
         report = None
         for i, f in enumerate(remaining):
-            params = dict(f.params)
-            if params.get("coefficients") == "cmaes":  # no objective here: keep the recorded α
-                params["coefficients"] = "fixed"
-                params["alpha"] = f.coefficient
+            params = make_policy(man.policy, f.params).refold_params(f.coefficient)  # no objective here
             step_out = Path(out) if i == len(remaining) - 1 else work / f"step-{i}"
             report = fold(base, backbone, f.expert, man.policy, params, state_dir=tmp_state, out=step_out,
                           expert_id=f.id, device=device, threads=threads, max_shard_bytes=max_shard_bytes,

@@ -1,10 +1,20 @@
 """Merge policies: pure tensor functions, one registry (see ../shared/METHODS.md).
 
 ``REGISTRY`` maps a policy name to its class; :func:`make_policy` builds one from parameters named
-as in METHODS.md (``lambda``, ``k``, ``rho``, ``rank``, ``alpha``, ...).
+as in METHODS.md (``lambda``, ``k``, ``rho``, ``rank``, ``alpha``, ...). Adding a policy is one
+module here and one line in ``REGISTRY``: the CLI's choices, the config validation and the starter
+config all read the registry. What a policy can do beyond :meth:`Policy.fold_tensor` it says
+through capabilities (:meth:`Policy.linear_scale`, :meth:`Policy.searches_coefficients`,
+:attr:`Policy.contributions_in_state`, :meth:`Policy.refold_params`, :meth:`Policy.rebuild`),
+never through its name.
 """
 
-from .base import Policy, PolicyParams, TensorContext, TensorFold, make_policy
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import PolicyError
+from .base import Policy, PolicyParams, TensorContext, TensorFold
 from .mdm_oc import MdmOc, cmaes_coefficients, stability_penalty
 from .opcm import Opcm
 from .safe_merge import SafeMerge
@@ -14,5 +24,35 @@ REGISTRY: dict[str, type[Policy]] = {
     cls.name: cls for cls in (TaskArithmetic, Ties, SafeMerge, MdmOc, Opcm, MagMax)
 }
 
-__all__ = ["REGISTRY", "Policy", "PolicyParams", "TensorContext", "TensorFold", "make_policy",
-           "cmaes_coefficients", "stability_penalty", "MdmOc", "Opcm", "SafeMerge", "MagMax", "TaskArithmetic", "Ties"]
+
+def make_policy(name: str, params: dict[str, Any] | None = None) -> Policy:
+    """Instantiate a registered policy by name.
+
+    Raises:
+        PolicyError: unknown name or invalid parameters (each named, as the policy's
+            :class:`PolicyParams` model reports them).
+    """
+    if name not in REGISTRY:
+        raise PolicyError(f"unknown policy {name!r}; known: {', '.join(policy_names())}")
+    return REGISTRY[name](params)
+
+
+def policy_names() -> list[str]:
+    """The registered policy names, in registry order (the order of the README's table)."""
+    return list(REGISTRY)
+
+
+def parameter_names(name: str) -> list[str]:
+    """A policy's parameter names as users write them (``lambda``, not the attribute ``lam``).
+
+    Raises:
+        PolicyError: unknown policy name.
+    """
+    if name not in REGISTRY:
+        raise PolicyError(f"unknown policy {name!r}; known: {', '.join(policy_names())}")
+    return [f.alias or n for n, f in REGISTRY[name].Params.model_fields.items()]
+
+
+__all__ = ["REGISTRY", "Policy", "PolicyParams", "TensorContext", "TensorFold", "make_policy", "parameter_names",
+           "policy_names", "cmaes_coefficients", "stability_penalty", "MdmOc", "Opcm", "SafeMerge", "MagMax",
+           "TaskArithmetic", "Ties"]

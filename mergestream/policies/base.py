@@ -116,6 +116,11 @@ class Policy:
         (the engine then writes the output once, from the state, after the search)."""
         return False
 
+    def refold_params(self, coefficient: float | None) -> dict[str, Any]:
+        """Capability: the parameters that fold this expert again without an objective (replay),
+        given the coefficient its fold recorded. Default: the parameters as described."""
+        return self.describe()
+
     def fold_tensor(self, base: Tensor, backbone: Tensor, tau: Tensor, state: TensorState,
                     ctx: TensorContext) -> TensorFold:
         """Compute Δ_t for one tensor.
@@ -161,16 +166,3 @@ class Policy:
     def rebuild(self, base: Tensor, state: TensorState, coefficients: list[float]) -> Tensor | None:
         """θ = θ₀ + Σ cᵢ dᵢ from state for policies that support re-weighting (else None)."""
         return None
-
-
-def make_policy(name: str, params: dict[str, Any] | None = None) -> Policy:
-    """Instantiate a registered policy by name.
-
-    Raises:
-        PolicyError: unknown name or invalid parameters.
-    """
-    from . import REGISTRY
-
-    if name not in REGISTRY:
-        raise PolicyError(f"unknown policy {name!r}; known: {', '.join(sorted(REGISTRY))}")
-    return REGISTRY[name](params)

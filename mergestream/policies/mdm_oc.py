@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -117,6 +117,13 @@ class MdmOc(Policy):
     def searches_coefficients(self) -> bool:
         """True with ``coefficients=cmaes`` (CMA-ES over every α on an objective, §3 step 3)."""
         return self.params.coefficients == "cmaes"
+
+    def refold_params(self, coefficient: float | None) -> dict[str, Any]:
+        """Replay has no objective: a searched fold is refolded with the α it recorded."""
+        params = self.describe()
+        if self.searches_coefficients():
+            params.update(coefficients="fixed", alpha=params["alpha"] if coefficient is None else coefficient)
+        return params
 
     def fold_tensor(self, base: Tensor, backbone: Tensor, tau: Tensor, state: TensorState,
                     ctx: TensorContext) -> TensorFold:

@@ -1,0 +1,174 @@
+"""The shape of the package (docs/architecture.md): dependencies run one way, no import cycles
+(deferred imports inside functions included), files stay readable, and every list of policy names
+comes from the registry."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mergestream.policies import REGISTRY, parameter_names, policy_names
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "mergestream"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+MODULES = {_module_name(p): p for p in PKG.rglob("*.py")}
+
+
+def _resolve(importer: str, is_pkg: bool, level: int, module: str | None) -> str:
+    if level == 0:
+        return module or ""
+    base = importer.split(".")
+    base = base if is_pkg else base[:-1]
+    base = base[: len(base) - (level - 1)]
+    return ".".join(base + ([module] if module else []))
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Every mergestream module -> the mergestream modules it imports anywhere (module level,
+    inside functions, under TYPE_CHECKING), ``from pkg import submodule`` resolved to the submodule."""
+    graph: dict[str, set[str]] = {}
+    for name, path in MODULES.items():
+        is_pkg = path.name == "__init__.py"
+        edges: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                mod = _resolve(name, is_pkg, node.level, node.module)
+                targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in MODULES else mod for a in node.names]
+            else:
+                continue
+            for t in targets:
+                while t and t not in MODULES:  # `import a.b.c` of an attribute path: its module
+                    t = t.rpartition(".")[0]
+                if t.startswith("mergestream") and t != name:
+                    edges.add(t)
+        graph[name] = edges
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == 1:
+                return stack[stack.index(m):] + [m]
+            if m not in state and (found := visit(m)):
+                return found
+        stack.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(graph):
+        if n not in state and (found := visit(n)):
+            return found
+    return None
+
+
+def test_no_import_cycles_deferred_ones_included():
+    cycle = _cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_finder_finds_a_deferred_cycle():
+    """The check above can fail: a function-level import back up is a cycle."""
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+LOWER = ["mergestream.engine", "mergestream.folding", "mergestream.unmerge", "mergestream.passes",
+         "mergestream.policies", "mergestream.checkpoints", "mergestream.expert_readers", "mergestream.ri",
+         "mergestream.experts", "mergestream.text", "mergestream.st", "mergestream.stream", "mergestream.writers",
+         "mergestream.residuals", "mergestream.patches", "mergestream.patch_build", "mergestream.inspection",
+         "mergestream.state", "mergestream.config"]
+
+
+@pytest.mark.parametrize("module", [m for m in LOWER if m in MODULES])
+def test_dependencies_run_one_way(module):
+    """Nothing below the daemon imports the daemon or the CLI, directly or through another module."""
+    graph = import_graph()
+    seen, todo = set(), [module]
+    while todo:
+        m = todo.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        todo.extend(graph.get(m, ()))
+    upward = sorted(m for m in seen if m.startswith(("mergestream.daemon", "mergestream.cli", "mergestream.demo")))
+    assert not upward, f"{module} reaches {upward}"
+
+
+def test_policies_import_nothing_but_their_errors():
+    graph = import_graph()
+    for name, edges in graph.items():
+        if name.startswith("mergestream.policies"):
+            outside = {e for e in edges if not e.startswith("mergestream.policies")}
+            assert outside <= {"mergestream.errors"}, f"{name} imports {outside}"
+
+
+def test_runtime_import_of_lower_layers_loads_no_daemon():
+    code = ("import sys\n" + "".join(f"import {m}\n" for m in LOWER if m in MODULES) +
+            "bad = sorted(m for m in sys.modules if m.startswith(('mergestream.daemon', 'mergestream.cli')))\n"
+            "assert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_no_file_in_the_package_over_600_lines():
+    long = {str(p.relative_to(ROOT)): n for p in PKG.rglob("*.py") if (n := len(p.read_text().splitlines())) > 600}
+    assert not long, long
+
+
+# -- every list of policy names comes from the registry ------------------------------------------------
+def _readme_policy_rows() -> dict[str, str]:
+    text = (ROOT / "README.md").read_text()
+    table = text.split("### Policies and their `--set` parameters", 1)[1].split("\n\n", 2)[1]
+    rows = {}
+    for line in table.splitlines():
+        if m := re.match(r"\| `(\w+)` \|(.*)", line):
+            rows[m[1]] = m[2]
+    return rows
+
+
+def test_readme_policy_table_is_the_registry():
+    rows = _readme_policy_rows()
+    assert list(rows) == policy_names()
+    for name, row in rows.items():
+        params = row.split("|")[0]
+        missing = [p for p in parameter_names(name) if f"`{p}`" not in params]
+        assert not missing, f"README row {name} misses parameters {missing}"
+
+
+def test_cli_choices_and_starter_config_come_from_the_registry(tmp_path):
+    from click.testing import CliRunner
+
+    from mergestream.cli import cli
+    from mergestream.config import load_config, write_starter
+
+    help_text = CliRunner().invoke(cli, ["fold", "--help"]).output
+    assert "|".join(policy_names()) in help_text
+    bad = CliRunner().invoke(cli, ["merge", "--base", "b", "--policy", "no_such_policy", "--out", "o", "e"])
+    assert bad.exit_code == 2 and "no_such_policy" in bad.output and "task_arithmetic" in bad.output
+    base = tmp_path / "base.safetensors"
+    base.write_bytes(b"")
+    text = write_starter(tmp_path / "d", str(base)).read_text()
+    for name in REGISTRY:
+        assert f"#   {name}: {', '.join(parameter_names(name))}" in text
+    assert load_config(tmp_path / "d" / "config.yaml").policy.name == "task_arithmetic"
