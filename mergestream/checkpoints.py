@@ -69,7 +69,6 @@ TORCH_TO_ST: dict[torch.dtype, str] = {v: k for k, v in ST_TO_TORCH.items()}
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 LEGACY_SUFFIXES = (".bin", ".pt", ".pth")
-WEIGHT_SUFFIXES = (".safetensors", *LEGACY_SUFFIXES, ".ckpt", ".h5", ".msgpack", ".onnx")
 DEFAULT_SHARD_BYTES = 5 * 1024**3
 
 _EMBEDDING_NAME = re.compile(r"(embed|wte|wpe|lm_head|shared\.weight$)")
@@ -253,16 +252,9 @@ class Checkpoint:
         return self._sha256
 
     def aux_files(self) -> list[Path]:
-        """Non-weight files of a model folder (config, tokenizer, generation config, ...)."""
-        folder = self.path if self.path.is_dir() else None
-        if folder is None:
-            return []
-        out = []
-        for p in sorted(folder.iterdir()):
-            if p.is_file() and not p.name.startswith(".") and not p.name.endswith(WEIGHT_SUFFIXES) \
-                    and not p.name.endswith(".index.json"):
-                out.append(p)
-        return out
+        """Non-weight files of a model folder, subfolders included (:func:`mergestream.st.aux_files`);
+        none for a single file."""
+        return [self.path / rel for rel in st.aux_files(self.path)]
 
     def close(self) -> None:
         with self._lock:

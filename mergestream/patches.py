@@ -1,7 +1,8 @@
 """Apply weight patches ("version N−1 -> version N") exactly; standalone (stdlib + numpy only).
 
-This module is the device side of incremental updates. It imports nothing from torch or from the
-rest of mergestream, so it can be copied alone onto a small device next to ``numpy``. It parses
+This module is the device side of incremental updates. It imports nothing from torch and, from
+mergestream, only the standard-library :mod:`mergestream.st`, so the two can be copied onto a small
+device next to ``numpy``. It parses
 safetensors headers itself and moves raw bytes, which makes every dtype work the same way
 (``BF16`` has no numpy dtype, ``F8_*`` neither): a patch is about exact bytes, so tensors are
 compared and patched as unsigned integers of the same itemsize. Equality is therefore bit-exact
@@ -36,7 +37,7 @@ Output of :func:`apply_patch`
     The target's weight files are rebuilt with their verbatim headers (same file names, same
     shards, same ``__metadata__``) and the target's index file if it had one, so the output is
     byte-for-byte the target version's weight files, not only the same weights. Non-weight files
-    (``config.json``, tokenizer files, ...) are copied from the source folder. The output is
+    (``config.json``, tokenizer files, subfolders such as ``1_Pooling/``) are copied from the source folder. The output is
     staged in a sibling temporary folder and renamed into place; on any failure it is removed.
 """
 
@@ -60,6 +61,7 @@ from .st import (
     FormatError,
     Header,
     TensorEntry,
+    copy_aux_files,
     fsync_dir,
     parse_header_text,
     pwrite_all,
@@ -72,7 +74,6 @@ PATCH_FORMAT = "mergestream-patch/1"
 INDEX_SUFFIX = ".safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 #: Files never copied as "non-weight files" of a model folder.
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx", ".gguf")
 
 DENSE = "dense/"
 SPARSE_INDICES = "sparse.indices/"
@@ -216,14 +217,6 @@ class Weights:
             for chunk in self.chunks(name):
                 h.update(chunk)
         return h.hexdigest()
-
-    def aux_files(self) -> list[Path]:
-        """Non-weight files of the folder (config, tokenizer, ...): not hidden, not weights, not an index."""
-        if not self.path.is_dir():
-            return []
-        return [f for f in sorted(self.path.iterdir())
-                if f.is_file() and not f.name.startswith(".") and not f.name.endswith(WEIGHT_SUFFIXES)
-                and not f.name.endswith(".index.json")]
 
     def close(self) -> None:
         """Close the open file handles."""
@@ -541,9 +534,7 @@ def apply_patch(model_dir: str | os.PathLike, patch_path: str | os.PathLike,
             if patch.index is not None:
                 (stage / patch.index[0]).write_text(patch.index[1])
             taken = {tf.name for tf in patch.files} | ({patch.index[0]} if patch.index else set())
-            for f in src.aux_files():
-                if f.name not in taken:
-                    shutil.copy2(f, stage / f.name)
+            copy_aux_files(src.path, stage, skip=frozenset(taken))
             fsync_dir(stage)
             os.rename(stage, out)
             fsync_dir(out.parent)

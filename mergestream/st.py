@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,11 +132,11 @@ def parse_header_text(text: str, file: Path, where: str) -> Header:
             dtype, shape, (start, end) = info["dtype"], info["shape"], info["data_offsets"]
         except (TypeError, KeyError, ValueError):
             raise FormatError(f"{where}: tensor {name!r} has a malformed header entry") from None
-        if dtype not in DTYPE_SIZES:
+        if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
             raise FormatError(f"{where}: tensor {name!r} has unsupported dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
             raise FormatError(f"{where}: tensor {name!r} has a malformed shape {shape!r}")
-        if not (isinstance(start, int) and isinstance(end, int)):
+        if not (type(start) is int and type(end) is int):
             raise FormatError(f"{where}: tensor {name!r} has malformed data_offsets")
         entry = TensorEntry(name, dtype, tuple(shape), file, data_start + start, end - start)
         if start < 0 or end - start != entry.numel * DTYPE_SIZES[dtype]:
@@ -271,3 +272,51 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# -- the rest of a model folder ---------------------------------------------------------------------
+#: file suffixes of model weights in any format (safetensors, PyTorch pickles, TF, Flax, ONNX, GGUF)
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx", ".gguf")
+#: subfolders holding exports of the weights for other runtimes: stale next to merged weights
+EXPORT_DIRS = frozenset({"onnx", "openvino"})
+
+
+def aux_files(folder: str | os.PathLike) -> list[Path]:
+    """Every file of a model folder except its weights, as paths relative to ``folder`` (sorted).
+
+    Kept: top-level config, tokenizer and card files, and whole subfolders (sentence-transformers'
+    ``1_Pooling/``, ``2_Dense/`` with its own weights, ...). Skipped: hidden entries at any depth,
+    top-level weight files in any format (:data:`WEIGHT_SUFFIXES`; an output writes its own) and
+    shard indexes, and the runtime exports of :data:`EXPORT_DIRS`. A file (not a folder) has none.
+    """
+    root = Path(folder)
+    if not root.is_dir():
+        return []
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        here = Path(dirpath)
+        top = here == root
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and not (top and d in EXPORT_DIRS))
+        for name in sorted(filenames):
+            if name.startswith(".") or (top and (name.endswith(WEIGHT_SUFFIXES) or name.endswith(".index.json"))):
+                continue
+            out.append((here / name).relative_to(root))
+    return out
+
+
+def copy_aux_files(src: str | os.PathLike, dest: str | os.PathLike, skip: frozenset[str] = frozenset()) -> list[str]:
+    """Copy :func:`aux_files` of folder ``src`` into ``dest`` (subfolders created, symlinks followed,
+    times kept); ``skip``: relative names not to copy. Returns the relative names copied.
+
+    Raises:
+        OSError: a file cannot be read or written.
+    """
+    copied = []
+    for rel in aux_files(src):
+        if str(rel) in skip:
+            continue
+        target = Path(dest) / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(Path(src) / rel, target)
+        copied.append(str(rel))
+    return copied

@@ -159,6 +159,15 @@ class StateDir:
         self.manifest = manifest
         self.collect_garbage()
 
+    def set_backbone(self, backbone: str | os.PathLike) -> None:
+        """Record that the backbone this state describes now lives at ``backbone`` (it was moved,
+        e.g. a staged candidate published as a version); the manifest is replaced atomically."""
+        if not (self.path / MANIFEST).exists():
+            return
+        manifest = self._load()
+        manifest.backbone = str(Path(backbone).resolve())
+        self.commit(manifest, [])
+
     def collect_garbage(self) -> None:
         """Delete state/contribution files the manifest does not reference (leftovers of crashes)."""
         keep = {self.manifest.state_file} | {f.contribution for f in self.manifest.folds}

@@ -293,9 +293,7 @@ def staged_output(out: str | os.PathLike, *, overwrite: bool = False) -> Iterato
 
 
 def copy_aux_files(src: Checkpoint, dest: Path) -> list[str]:
-    """Copy the base's non-weight files (config.json, tokenizer files, ...) into ``dest``."""
-    copied = []
-    for f in src.aux_files():
-        shutil.copy2(f, dest / f.name)
-        copied.append(f.name)
-    return copied
+    """Copy the base's non-weight files into ``dest``: config.json, tokenizer files and whole
+    subfolders such as sentence-transformers' ``1_Pooling/`` (:func:`mergestream.st.aux_files`).
+    Returns the relative names copied."""
+    return st.copy_aux_files(src.path, dest)

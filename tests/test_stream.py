@@ -10,7 +10,7 @@ import torch
 
 from mergestream import engine, residuals, stream
 from mergestream.checkpoints import Checkpoint, open_checkpoint, read_state_dict
-from mergestream.errors import FrozenTensorMismatchError, NonFiniteError
+from mergestream.errors import CorruptCheckpointError, FrozenTensorMismatchError, NonFiniteError
 from mergestream.expert_readers import content_sha256
 from mergestream.patches import weights_sha256
 from mergestream.state import StateDir
@@ -308,3 +308,35 @@ def test_a_failed_first_fold_leaves_no_state_folder(tmp_path):
     engine.fold(bpath, None, good, "ties", state_dir=tmp_path / "s2", out=tmp_path / "v1")
     rep = engine.unmerge(tmp_path / "s2", "good", "subtract", out=tmp_path / "u")
     assert rep.policy == "ties" and rep.experts == []
+
+
+HOSTILE = [["F32"], {"a": 1}, True, 1.5, None, "F32x", -1, [1], "", 2**70]
+
+
+@pytest.mark.parametrize("field", ["dtype", "shape", "dim", "start", "end"])
+def test_a_hostile_header_value_is_a_format_error_never_a_type_error(tmp_path, field):
+    """Every field of a tensor entry, given a value of the wrong JSON type (list, object, bool,
+    float, null, string, out of range), is refused with FormatError by the one header parser (the
+    checkpoint reader, the inbox readiness check and the patch reader all use it)."""
+    import struct
+
+    from mergestream.st import FormatError, parse_header_text
+
+    for bad in HOSTILE:
+        entry = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+        if field == "dtype":
+            entry["dtype"] = bad
+        elif field == "shape":
+            entry["shape"] = bad
+        elif field == "dim":
+            entry["shape"] = [bad]
+        else:
+            entry["data_offsets"] = [bad, 8] if field == "start" else [0, bad]
+        text = json.dumps({"w": entry})
+        with pytest.raises(FormatError):
+            parse_header_text(text, tmp_path / "x.safetensors", "x")
+        f = tmp_path / f"{field}.safetensors"
+        raw = text.encode()
+        f.write_bytes(struct.pack("<Q", len(raw)) + raw + b"\0" * 8)
+        with pytest.raises(CorruptCheckpointError):
+            open_checkpoint(f)

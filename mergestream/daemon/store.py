@@ -26,6 +26,7 @@ from typing import Any
 from filelock import FileLock, Timeout
 
 from ..st import fsync_dir
+from ..state import StateDir
 from ..errors import MergestreamError
 
 log = logging.getLogger(__name__)
@@ -146,6 +147,8 @@ class Store:
         """
         number = self.next_number()
         fold = dict(fold, version=number)
+        # the published state names its own version's model, not the staging folder it was built in
+        StateDir(staging / "state").set_backbone(self.path(number) / "model")
         with open(staging / "fold.json", "w") as fh:
             json.dump(fold, fh, indent=2, default=str)
             fh.flush()
