@@ -42,6 +42,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from mergestream import experts as X  # noqa: E402
+from mergestream import text as T  # noqa: E402
 from mergestream.engine import fold, unmerge  # noqa: E402
 from mergestream.patch_build import build_patch  # noqa: E402
 from mergestream.ri import RIParams, adapt_expert  # noqa: E402
@@ -94,7 +95,7 @@ class Evaluator:
         rows = self.rows[task]
         emb = X.embed_rows(model, self.tok, rows, max_length=64)
         w, b = self.heads[task]
-        return X.head_accuracy(emb, [y for _, _, y in rows], w, b)
+        return T.head_accuracy(emb, [y for _, _, y in rows], w, b)
 
     def g(self, model) -> float:
         return X.sts_spearman(model, self.tok, self.sts)
@@ -208,7 +209,7 @@ def make_objective(ev: Evaluator, val_rows: dict[str, list], seen: list[str]):
             rows = val_rows[t]
             emb = X.embed_rows(base_model, ev.tok, rows, max_length=64)
             w, b = ev.heads[t]
-            accs.append(X.head_accuracy(emb, [y for _, _, y in rows], w, b))
+            accs.append(T.head_accuracy(emb, [y for _, _, y in rows], w, b))
         return -float(np.mean(accs))
 
     return objective
@@ -426,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     experts = {t: X.build_expert(X.ExpertSpec.for_task(t, **over), cache=args.cache, data=args.data, log=log,
                                  evaluate=not over) for t in tasks}
     tdata = {t: X.load_task(t, args.data) for t in tasks}
-    heads = {t: X.load_head(experts[t]) for t in tasks}
+    heads = {t: T.load_head(experts[t] / "head.safetensors", t) for t in tasks}
     rows = {t: X.subsample(tdata[t].test, args.eval_examples, seed=0) for t in tasks}
     sts = X.subsample(X.load_sts(args.data), args.sts_pairs, seed=0)
     base_model, tok = X.load_encoder()
@@ -441,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         lp_train = X.subsample(tdata[t].train, args.lp_train, seed=0)
         emb = X.embed_rows(base_model, tok, lp_train, max_length=64)
         w, b = X.fit_linear_probe(emb, [y for _, _, y in lp_train], len(tdata[t].classes))
-        ref["linear_probe_acc"][t] = X.head_accuracy(X.embed_rows(base_model, tok, rows[t], max_length=64),
+        ref["linear_probe_acc"][t] = T.head_accuracy(X.embed_rows(base_model, tok, rows[t], max_length=64),
                                                      [y for _, _, y in rows[t]], w, b)
         em = ev.load(experts[t])
         ref["expert_acc"][t] = ev.acc(em, t)

@@ -7,7 +7,6 @@ one-line ``error: ...`` on stderr; nothing is written.
 from __future__ import annotations
 
 import functools
-import importlib
 import json
 import logging
 import sys
@@ -43,16 +42,6 @@ def _parse_sets(pairs: tuple[str, ...]) -> dict[str, Any]:
         key, value = pair.split("=", 1)
         params[key.strip()] = value.strip()
     return params
-
-
-def _load_entry_point(spec: str):
-    if ":" not in spec:
-        raise MergestreamError(f"--objective expects package.module:function, got {spec!r}")
-    mod, _, attr = spec.partition(":")
-    try:
-        return getattr(importlib.import_module(mod), attr)
-    except (ImportError, AttributeError) as exc:
-        raise MergestreamError(f"cannot load objective {spec!r}: {exc}") from exc
 
 
 class PolicyName(click.ParamType):
@@ -112,8 +101,9 @@ def fold_cmd(base, backbone, expert, policy, sets, state_dir, out, expert_id, ob
              device, threads, quiet, max_shard_bytes) -> None:
     """Fold one expert into the backbone with a policy."""
     from .engine import fold
+    from .plugins import resolve_callable
 
-    obj = _load_entry_point(objective) if objective else None
+    obj = resolve_callable(objective, what="--objective") if objective else None
     rep = fold(base, backbone, expert, policy, _parse_sets(sets), state_dir=state_dir, out=out,
                expert_id=expert_id, device=device, threads=threads, max_shard_bytes=max_shard_bytes,
                objective=obj, progress=not quiet and not as_json)
@@ -222,8 +212,12 @@ def _operator(config_path: str, verb: str, arg: str | None) -> None:
 @_fail_cleanly
 def init_cmd(folder, base, policy) -> None:
     """Write a commented starter FOLDER/config.yaml (inbox FOLDER/inbox, state FOLDER/state)."""
+    from .checkpoints import open_checkpoint
     from .config import write_starter
 
+    with open_checkpoint(base) as ck:  # a base that is not a model is refused now, not at the first fold
+        if not ck.keys():
+            raise MergestreamError(f"base {base}: the checkpoint holds no tensors")
     path = write_starter(folder, base, policy)
     click.echo(f"wrote {path}; start the daemon with: mergestream run --config {path}")
 

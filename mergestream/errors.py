@@ -69,3 +69,8 @@ class StateError(MergestreamError):
 
 class OutputExistsError(MergestreamError):
     """The output path already exists; mergestream never overwrites a model in place."""
+
+
+class ProbeError(MergestreamError):
+    """A probe cannot be built (unknown type, bad parameter, bad target, missing data file), its
+    inputs are malformed (data file, task head, tokenizer missing), or it failed while running."""

@@ -35,6 +35,10 @@ An expert folder (``<cache>/<name>-<key>/``) holds:
 The cache key is a sha256 of the recipe, the task file, θ₀'s weights and :data:`CODE_VERSION`; the
 cache root is ``MERGESTREAM_CACHE`` or ``~/.cache/mergestream/experts``. Experts are built in a
 temporary sibling folder and renamed into place, so a crash never leaves a half-built expert.
+
+Loading, embedding and the measures (STS Spearman, head accuracy, heads) are
+:mod:`mergestream.text`'s, the same code the daemon's probes run; this module only adds what is
+specific to building experts (data, recipes, training, the cache).
 """
 
 from __future__ import annotations
@@ -55,6 +59,9 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from . import text
+from .st import copy_aux_files
 
 #: Bump when the training or saving code changes in a way that changes the experts.
 CODE_VERSION = "1"
@@ -172,9 +179,9 @@ def load_task(name: str, data: str | os.PathLike | None = None) -> TaskData:
 
 
 def load_sts(data: str | os.PathLike | None = None, max_pairs: int | None = None) -> list[tuple[float, str, str]]:
-    from .daemon.probes import read_scored_pairs
-
-    return read_scored_pairs(data_root(data) / STS_FILE, max_pairs)
+    """The first ``max_pairs`` (all by default) ``(score, text, text2)`` of ``general/stsb_test.tsv``
+    (:func:`mergestream.text.read_scored_pairs`)."""
+    return text.read_scored_pairs(data_root(data) / STS_FILE, max_pairs)
 
 
 def subsample(rows: list, n: int | None, seed: int = 0) -> list:
@@ -253,46 +260,32 @@ class ExpertSpec:
 # Model helpers
 # ------------------------------------------------------------------------------------------
 def load_encoder(path: str | os.PathLike | None = None):
-    """(model, tokenizer) in float32 eval mode from a Hugging Face folder (θ₀ by default)."""
+    """(model, tokenizer) in float32 eval mode on the CPU from a Hugging Face folder (θ₀ by
+    default); the model is a private copy (:func:`mergestream.text.load_model` with ``reuse=False``).
+
+    Raises:
+        ProbeError: transformers cannot load the folder as a complete encoder or its tokenizer.
+    """
     _offline()
-    from transformers import AutoModel, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
     path = Path(path) if path is not None else base_model_path()
-    hf_logging.set_verbosity_error()
-    tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    model = AutoModel.from_pretrained(str(path), local_files_only=True).float().eval()
-    return model, tok
+    return text.load_model(path, "encoder", "cpu", reuse=False), text.load_tokenizer(path)
 
 
-def _pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    m = mask.to(hidden.dtype).unsqueeze(-1)
-    return (hidden * m).sum(1) / m.sum(1).clamp_min(1e-9)
+def _texts(rows: list[tuple[str, str | None, int]]) -> tuple[list[str], list[str | None] | None]:
+    """(texts, texts2 or None) of labelled rows; rows are pairs when the first one is."""
+    return [r[0] for r in rows], ([r[1] for r in rows] if rows[0][1] is not None else None)
 
 
-def _encode(tok, rows: list[tuple[str, str | None, int]], max_length: int) -> dict[str, torch.Tensor]:
-    a = [r[0] for r in rows]
-    if rows[0][1] is not None:
-        return tok(a, [r[1] for r in rows], padding=True, truncation=True, max_length=max_length, return_tensors="pt")
-    return tok(a, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
-
-
-@torch.inference_mode()
 def embed_rows(model, tok, rows: list[tuple[str, str | None, int]], max_length: int = 64,
                batch_size: int = 64) -> torch.Tensor:
-    """Mean-pooled embeddings (N × hidden, float32) of ``rows``; batched by length."""
-    order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]) + len(rows[i][1] or ""))
-    out = torch.empty(len(rows), model.config.hidden_size)
-    for i in range(0, len(order), batch_size):
-        idx = order[i:i + batch_size]
-        enc = _encode(tok, [rows[j] for j in idx], max_length)
-        out[idx] = _pool(model(**enc).last_hidden_state, enc["attention_mask"]).float()
-    return out
+    """Mean-pooled embeddings (N × hidden, float32 CPU) of labelled rows ``(text, text2 | None,
+    label)``, batched by length (:func:`mergestream.text.embed`).
 
-
-def head_accuracy(emb: torch.Tensor, labels: Iterable[int], w: torch.Tensor, b: torch.Tensor) -> float:
-    y = torch.as_tensor(list(labels))
-    return 100.0 * float(((emb @ w.T + b).argmax(1) == y).double().mean())
+    Raises:
+        ProbeError: the model produced NaN/Inf.
+    """
+    texts, texts2 = _texts(rows)
+    return text.embed(model, tok, texts, texts2, pooling="mean", batch_size=batch_size, max_length=max_length)
 
 
 def fit_linear_probe(emb: torch.Tensor, labels: Iterable[int], n_classes: int, l2: float = 1e-3,
@@ -317,21 +310,11 @@ def fit_linear_probe(emb: torch.Tensor, labels: Iterable[int], n_classes: int, l
     return w.detach().float(), b.detach().float()
 
 
-@torch.inference_mode()
 def sts_spearman(model, tok, pairs: list[tuple[float, str, str]], max_length: int = 128) -> float:
-    """100 × Spearman(cosine of mean-pooled embeddings, gold) — the daemon's STS probe's math."""
-    from .daemon.probes import spearman
-
-    index: dict[str, int] = {}
-    for _, a, b in pairs:
-        index.setdefault(a, len(index))
-        index.setdefault(b, len(index))
-    rows = [(s, None, 0) for s in index]
-    emb = torch.nn.functional.normalize(embed_rows(model, tok, rows, max_length=max_length).double(), dim=1)
-    ia = torch.tensor([index[a] for _, a, _ in pairs])
-    ib = torch.tensor([index[b] for _, _, b in pairs])
-    rho = spearman((emb[ia] * emb[ib]).sum(1).numpy(), [s for s, _, _ in pairs])
-    return 0.0 if math.isnan(rho) else 100.0 * rho
+    """100 × Spearman(cosine of mean-pooled embeddings, gold) — the daemon's STS probe's math
+    (:func:`mergestream.text.sts_spearman`, batches of 64); 0.0 when undefined."""
+    rho = text.sts_spearman(model, tok, pairs, batch_size=64, max_length=max_length)
+    return 0.0 if math.isnan(rho) else rho
 
 
 # ------------------------------------------------------------------------------------------
@@ -360,16 +343,6 @@ def expert_dir(spec: ExpertSpec, *, cache: str | os.PathLike | None = None, data
                base: str | os.PathLike | None = None) -> Path:
     base_p = Path(base) if base else base_model_path()
     return cache_root(cache) / f"{spec.name}-{cache_key(spec, load_task(spec.task, data), base_p)}"
-
-
-def _copy_base_files(base: Path, dst: Path) -> None:
-    for p in base.iterdir():
-        if p.name in ("model.safetensors", "README.md", ".gitattributes") or p.name.startswith("pytorch_model"):
-            continue
-        if p.is_dir():
-            shutil.copytree(p, dst / p.name)
-        elif p.suffix in (".json", ".txt", ".model"):
-            shutil.copy2(p, dst / p.name)
 
 
 def _save_weights(model, base: Path, path: Path) -> None:
@@ -451,8 +424,8 @@ def _train(spec: ExpertSpec, task: TaskData, base: Path, progress: bool, log: Ca
             if step >= total:
                 break
             batch = [train[j] for j in idx[i:i + r.batch_size]]
-            enc = _encode(tok, batch, r.max_length)
-            pooled = _pool(model(**enc).last_hidden_state, enc["attention_mask"])
+            enc = text.encode(tok, *_texts(batch), max_length=r.max_length)
+            pooled = text.pool(model(**enc).last_hidden_state, enc["attention_mask"])
             loss = torch.nn.functional.cross_entropy(head(pooled), torch.tensor([y for _, _, y in batch]))
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -511,7 +484,7 @@ def build_expert(spec: ExpertSpec, *, cache: str | os.PathLike | None = None, da
         model, tok, head, info = _train(spec, task, base_p, progress, log)
         t_train = time.perf_counter() - t0
         _save_weights(model, base_p, tmp / "model.safetensors")
-        _copy_base_files(base_p, tmp)
+        copy_aux_files(base_p, tmp)  # tokenizer, config, 1_Pooling/ ...
         w = head.weight.detach().float().contiguous()
         b = head.bias.detach().float().contiguous()
         save_file({"weight": w, "bias": b}, str(tmp / "head.safetensors"))
@@ -533,8 +506,8 @@ def build_expert(spec: ExpertSpec, *, cache: str | os.PathLike | None = None, da
         test = subsample(task.test, eval_examples, seed=0)
         acc = sts = None
         if evaluate:
-            acc = head_accuracy(embed_rows(model, tok, test, max_length=spec.recipe.max_length),
-                                [y for _, _, y in test], w, b)
+            acc = text.head_accuracy(embed_rows(model, tok, test, max_length=spec.recipe.max_length),
+                                     [y for _, _, y in test], w, b)
             sts = sts_spearman(model, tok, load_sts(data))
         meta = {"name": spec.name, "task": spec.task, "classes": task.classes, "pair": task.pair,
                 "recipe": spec.recipe.to_json(), "key": key, "code_version": CODE_VERSION,
@@ -555,13 +528,6 @@ def build_expert(spec: ExpertSpec, *, cache: str | os.PathLike | None = None, da
 
 def read_expert(folder: str | os.PathLike) -> dict[str, Any]:
     return json.loads((Path(folder) / "expert.json").read_text())
-
-
-def load_head(folder: str | os.PathLike) -> tuple[torch.Tensor, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    d = load_file(str(Path(folder) / "head.safetensors"))
-    return d["weight"].float(), d["bias"].float()
 
 
 def build_all(specs: list[ExpertSpec], **kw: Any) -> dict[str, Path]:

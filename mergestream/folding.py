@@ -55,6 +55,7 @@ from .passes import (
     Stats,
     canonical_order,
     cast_checked,
+    finish_model,
     largest,
     open_base_and_backbone,
     provenance,
@@ -71,7 +72,7 @@ from .policies import (
 )
 from .state import SEP, FoldRecord, Manifest, StateDir, final_name
 from .stream import Progress, run_stream
-from .writers import AppendWriter, ModelWriter, copy_aux_files, staged_output
+from .writers import AppendWriter, ModelWriter, staged_output
 
 log = logging.getLogger("mergestream.engine")
 
@@ -248,10 +249,7 @@ def _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, 
                     coeffs, found = _optimise_coefficients(pol, base_ck, state_path, coeffs, list(prev_coeffs),
                                                            objective, dev)
                     _rewrite_from_state(pol, base_ck, state_path, coeffs, writer, dev, threads, aliases)
-                writer.close()
-                if contrib is not None:
-                    contrib.close()
-                copy_aux_files(base_ck, stage)
+                finish_model(writer, base_ck, stage, contrib)
             except BaseException:
                 writer.abort()
                 raise
@@ -412,8 +410,7 @@ def merge(base: str | os.PathLike, experts: list[str | os.PathLike], policy: str
                 shas = [ld.reader.sha256() if ld.dense else e.sha256() for ld, e in zip(loaders, exps)]
                 records = [{"id": default_expert_id(p), "sha256": s} for p, s in zip(experts, shas)]
                 writer.set_metadata(provenance(pol, records, base_ck))
-                writer.close()
-                copy_aux_files(base_ck, stage)
+                finish_model(writer, base_ck, stage)
             except BaseException:
                 writer.abort()
                 raise

@@ -1,17 +1,34 @@
-"""Read-only views of checkpoints for ``mergestream inspect``: sizes, dtypes, task-vector geometry."""
+"""Read-only views of checkpoints: sizes, dtypes, task-vector geometry (``mergestream inspect``),
+and the streaming weight-space statistics the daemon's weight-space probe reports (drift from θ₀,
+energy of a step in θ₀'s top singular subspaces, Gram matrices of contributions).
+
+Every statistic is one pass over the tensors, read one at a time (or in row chunks) through
+:class:`~mergestream.checkpoints.Checkpoint`, with float32 math per tensor and float64 sums across
+tensors; the linear algebra is :mod:`mergestream.linalg`.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import MutableMapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .checkpoints import default_expert_id, is_float_dtype, open_checkpoint, validate_against_base
+from .checkpoints import (
+    Checkpoint,
+    TensorMeta,
+    default_expert_id,
+    is_float_dtype,
+    open_checkpoint,
+    validate_against_base,
+)
 from .errors import MergestreamError
 from .expert_readers import open_expert
+from .linalg import cosine_matrix, subspace_energy, top_singular_vectors
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -46,13 +63,118 @@ def task_vector_stats(base: str | os.PathLike, experts: list[str | os.PathLike],
             b = base_ck.get(m.name).to(dev, torch.float32)
             taus = torch.stack([e.task_vector(m.name, b).to(dev).reshape(-1) for e in exps]).double()
             gram += (taus @ taus.T).cpu()
-        norms = gram.diagonal().sqrt()
-        denom = torch.outer(norms, norms).clamp_min(1e-300)
-        cos = (gram / denom).tolist()
-        return {"ids": [default_expert_id(e) for e in experts], "norms": norms.tolist(), "cosine": cos}
+        cos = cosine_matrix(gram).tolist()
+        return {"ids": [default_expert_id(e) for e in experts], "norms": gram.diagonal().sqrt().tolist(),
+                "cosine": cos}
     finally:
         for e in exps:
             e.close()
+
+
+@dataclass(frozen=True)
+class DriftSums:
+    """Sums of squares (float64 across tensors) from one pass of :func:`drift_sums`.
+
+    Attributes:
+        base_sq: Σ‖θ₀‖² over the tensors.
+        drift_sq: Σ‖θ_cand − θ₀‖².
+        step_sq: Σ‖Δ‖², Δ = θ_cand − θ_prev (θ_prev = θ₀ when there is no previous backbone).
+        step2d_sq: Σ‖Δ‖² over the 2-D tensors only.
+        inside_sq: Σ‖U₀ᵀ Δ V₀‖² over the 2-D tensors (U₀, V₀: θ₀'s top-k singular vectors).
+    """
+
+    base_sq: float
+    drift_sq: float
+    step_sq: float
+    step2d_sq: float
+    inside_sq: float
+
+
+def drift_sums(base: Checkpoint, candidate: Checkpoint, previous: Checkpoint | None, metas: list[TensorMeta], *,
+               k: int, svd: str = "auto", device: str | torch.device = "cpu",
+               bases: MutableMapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> DriftSums:
+    """Drift of a candidate from θ₀ and the energy of its step in θ₀'s general subspace (the
+    general-knowledge risk SAFE-Merge measures, Qiu et al. 2026), streamed tensor by tensor.
+
+    Args:
+        metas: the tensors to measure (θ₀'s float tensors); the caller has checked that
+            ``candidate`` and ``previous`` hold them with θ₀'s shapes.
+        k: rank of θ₀'s subspace per 2-D tensor (capped at min(m, n)).
+        svd: ``auto``, ``exact`` or ``lowrank`` (:func:`mergestream.linalg.top_singular_vectors`).
+        device: where the float32 math runs.
+        bases: a cache of (U₀ m×k, V₀ n×k) CPU float32 per tensor name for this θ₀, k and svd;
+            filled for the tensors it lacks (None: nothing is cached).
+
+    Returns:
+        :class:`DriftSums`.
+    """
+    dev = torch.device(device)
+    bases = {} if bases is None else bases
+    base_sq = drift_sq = step_sq = step2d_sq = inside_sq = 0.0
+    for m in metas:
+        b = base.get(m.name).to(dev, torch.float32)
+        c = candidate.get(m.name).to(dev, torch.float32)
+        p = previous.get(m.name).to(dev, torch.float32) if previous is not None else b
+        step = c - p
+        del p
+        s2 = float(torch.linalg.vector_norm(step)) ** 2
+        step_sq += s2
+        if len(m.shape) == 2:
+            step2d_sq += s2
+            uv = bases.get(m.name)
+            if uv is None:
+                u, v = top_singular_vectors(b, k, svd)
+                uv = bases[m.name] = (u.cpu(), v.cpu())
+            u, v = (x.to(dev) for x in uv)
+            if s2 > 0.0:
+                inside_sq += subspace_energy(step, u, v)
+        del step
+        base_sq += float(torch.linalg.vector_norm(b)) ** 2
+        c = c - b  # not in place: a legacy checkpoint's get() returns its stored tensor
+        drift_sq += float(torch.linalg.vector_norm(c)) ** 2
+        del b, c
+    return DriftSums(base_sq, drift_sq, step_sq, step2d_sq, inside_sq)
+
+
+def _read_rows(ck: Checkpoint, name: str, start: int, stop: int) -> torch.Tensor:
+    """Rows [start, stop) of tensor ``name`` (along its first dimension), flat, in its stored dtype."""
+    m = ck.meta(name)
+    row_bytes = m.nbytes // m.shape[0]
+    buf = torch.empty((stop - start) * row_bytes, dtype=torch.uint8)
+    return ck.read_into(name, buf, start * row_bytes).view(m.dtype)
+
+
+def gram_matrix(checkpoints: list[Checkpoint], metas: list[TensorMeta], *, chunk_bytes: int,
+                device: str | torch.device = "cpu") -> torch.Tensor:
+    """Gram matrix G[i, j] = ⟨cᵢ, cⱼ⟩ (float64 CPU, N×N) of N checkpoints over the tensors ``metas``.
+
+    Tensors are read in row chunks through :meth:`Checkpoint.read_into` so that at most
+    ``chunk_bytes`` of stacked float64 slices are held at once (a larger single row is read alone);
+    the result does not depend on the chunking beyond float64 rounding.
+
+    Args:
+        metas: the tensors (names and shapes) every checkpoint holds; checked by the caller.
+        chunk_bytes: memory cap (bytes) of the stacked slices.
+        device: where the products run.
+    """
+    dev = torch.device(device)
+    n = len(checkpoints)
+    gram = torch.zeros(n, n, dtype=torch.float64)
+    for m in metas:
+        rows = m.shape[0] if m.shape else 1
+        row_elems = max(1, m.numel // max(rows, 1))
+        # float64 slices (8 bytes per element)
+        whole = not m.shape or n * m.numel * 8 <= chunk_bytes
+        step = rows if whole else max(1, chunk_bytes // (n * row_elems * 8))
+        for start in range(0, rows, step):
+            stop = min(rows, start + step)
+            x = torch.empty(n, (stop - start) * row_elems, dtype=torch.float64, device=dev)
+            for i, ck in enumerate(checkpoints):
+                part = ck.get(m.name) if whole else _read_rows(ck, m.name, start, stop)
+                x[i].copy_(part.reshape(-1))
+            gram += (x @ x.T).cpu()
+            del x
+    return gram
 
 
 def describe(path: str | os.PathLike) -> dict[str, Any]:

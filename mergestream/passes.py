@@ -196,6 +196,16 @@ def canonical_order(ck: Checkpoint) -> list[str]:
     return name_order(ck.keys())
 
 
+def finish_model(writer: ModelWriter, base: Checkpoint, stage: Path, *others: Any) -> None:
+    """End a pass's output: close the model writer and the other writers (state, residuals; None
+    skipped), then copy θ₀'s non-weight files into the staged folder."""
+    writer.close()
+    for other in others:
+        if other is not None:
+            other.close()
+    copy_aux_files(base, stage)
+
+
 def copy_base(base: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False,
               max_shard_bytes: int = DEFAULT_SHARD_BYTES, threads: int | None = 1) -> FoldReport:
     """Write θ₀ itself as a backbone (the result of removing every expert), through the stream."""
@@ -206,11 +216,10 @@ def copy_base(base: str | os.PathLike, out: str | os.PathLike, overwrite: bool =
             w = ModelWriter(stage, base_ck.metas(), provenance(pol, [], base_ck), max_shard_bytes)
             try:
                 run_stream(canonical_order(base_ck), base_ck.get, w.write, threads=worker_threads(threads))
-                w.close()
+                finish_model(w, base_ck, stage)
             except BaseException:
                 w.abort()
                 raise
-            copy_aux_files(base_ck, stage)
     finally:
         base_ck.close()
     return FoldReport(out=str(out), policy="base", params={}, experts=[], bytes_written=w.bytes_written)

@@ -27,7 +27,6 @@ Unlike folding, RI trains: the whole expert, its gradients and AdamW's two momen
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import logging
 import os
@@ -41,7 +40,10 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from .errors import MergestreamError
+from .errors import MergestreamError, ProbeError
+from .plugins import resolve_callable
+from .st import copy_aux_files
+from .text import POOLINGS, encode, load_model, load_tokenizer, pool
 
 log = logging.getLogger(__name__)
 
@@ -283,65 +285,66 @@ class FeatureModel(Protocol):
 
 class HFEncoderFeatures:
     """A Hugging Face encoder (``AutoModel``) with attention-masked mean (or CLS) pooling of the last
-    hidden state, the benchmark's and the probes' form.
+    hidden state, the benchmark's and the probes' form (:func:`mergestream.text.pool`).
 
     Args:
         tokenizer: folder holding the tokenizer (the base or the expert).
         pooling: ``"mean"`` or ``"cls"``.
         max_length: truncation length in tokens.
+
+    Raises:
+        RIError: a bad pooling, or no tokenizer can be loaded from ``tokenizer``.
     """
 
     def __init__(self, tokenizer: str | os.PathLike, pooling: str = "mean", max_length: int = 64):
-        from transformers import AutoTokenizer
-
-        if pooling not in ("mean", "cls"):
+        if pooling not in POOLINGS:
             raise RIError(f"pooling must be 'mean' or 'cls', got {pooling!r}")
         try:
-            self.tok = AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
-        except Exception as exc:
-            raise RIError(f"cannot load a tokenizer from {tokenizer}: {exc}") from exc
+            self.tok = load_tokenizer(tokenizer)
+        except ProbeError as exc:
+            raise RIError(str(exc)) from exc
         self.pooling = pooling
         self.max_length = max_length
         self.identity = f"hf-encoder:{pooling}:{max_length}:{type(self.tok).__name__}:{len(self.tok)}"
 
     def load(self, path: Path, device: torch.device) -> torch.nn.Module:
-        from transformers import AutoModel
-        from transformers.utils import logging as hf_logging
+        """A private float32 copy of the encoder at ``path`` on ``device``, in eval mode (RI trains it).
 
-        hf_logging.set_verbosity_error()
+        Raises:
+            RIError: transformers cannot load it as a complete encoder.
+        """
         try:
-            return AutoModel.from_pretrained(str(path), local_files_only=True).float().to(device).eval()
-        except Exception as exc:
-            raise RIError(f"cannot load {path} as a Hugging Face encoder: {type(exc).__name__}: {exc}") from exc
+            return load_model(path, "encoder", device, reuse=False)
+        except ProbeError as exc:
+            raise RIError(str(exc)) from exc
 
     def features(self, model: torch.nn.Module, items: list[AuxItem]) -> torch.Tensor:
+        """Pooled last hidden states (B, H) float32 of a batch, differentiable; a batch with any
+        pair is encoded as pairs (a missing second text is empty)."""
         a = [t for t, _ in items]
         pair = [t2 for _, t2 in items]
-        kw = dict(padding=True, truncation=True, max_length=self.max_length, return_tensors="pt")
-        enc = self.tok(a, [p or "" for p in pair], **kw) if any(p is not None for p in pair) else self.tok(a, **kw)
+        enc = encode(self.tok, a, [p or "" for p in pair] if any(p is not None for p in pair) else None,
+                     max_length=self.max_length)
         dev = next(model.parameters()).device
         enc = {k: v.to(dev) for k, v in enc.items()}
-        from .daemon.probes import _pool  # the probes' pooling, so RI adapts what the probes measure
-
-        return _pool(model(**enc).last_hidden_state, enc["attention_mask"], self.pooling)
+        return pool(model(**enc).last_hidden_state, enc["attention_mask"], self.pooling)
 
 
 def load_feature_model(spec: str | None, *, tokenizer: str | os.PathLike, pooling: str = "mean",
                        max_length: int = 64) -> FeatureModel:
     """The default :class:`HFEncoderFeatures`, or a user's: ``spec = "package.module:factory"`` where
-    ``factory()`` returns a :class:`FeatureModel`.
+    ``factory()`` returns a :class:`FeatureModel` (resolved with
+    :func:`mergestream.plugins.resolve_callable`).
 
     Raises:
-        RIError: the spec is malformed, cannot be imported, or returns something without
+        RIError: the spec is malformed, cannot be imported, fails, or returns something without
             ``load``/``features``.
     """
     if not spec:
         return HFEncoderFeatures(tokenizer, pooling, max_length)
-    if not isinstance(spec, str) or spec.count(":") != 1:
-        raise RIError(f"ri.forward must be 'package.module:factory', got {spec!r}")
-    mod, fn = spec.split(":")
+    factory = resolve_callable(spec, what="ri.forward", form="package.module:factory", error=RIError)
     try:
-        obj = getattr(importlib.import_module(mod), fn)()
+        obj = factory()
     except Exception as exc:
         raise RIError(f"cannot build the feature model {spec!r}: {type(exc).__name__}: {exc}") from exc
     if not all(callable(getattr(obj, a, None)) for a in ("load", "features")):
@@ -510,12 +513,7 @@ def adapt_expert(expert: str | os.PathLike, base: str | os.PathLike, out: str | 
     stage = out.with_name(out.name + ".partial")
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir(parents=True)
-    if expert.is_dir():
-        for f in expert.iterdir():
-            if f.is_file() and not f.name.endswith((".safetensors", ".bin", ".pt")) and f.name != "model.safetensors.index.json":
-                shutil.copy2(f, stage / f.name)
-            elif f.is_dir() and not f.name.startswith("."):
-                shutil.copytree(f, stage / f.name)
+    copy_aux_files(expert, stage)  # the expert's tokenizer, config, task probe, 1_Pooling/ ...
     save_file(tensors, str(stage / "model.safetensors"),
               metadata={"mergestream.ri": json.dumps({**res.to_json(), "params": asdict(params)})})
     if out.exists():

@@ -27,6 +27,7 @@ from .passes import (
     canonical_order,
     cast_checked,
     copy_base,
+    finish_model,
     largest,
     open_base_and_backbone,
     provenance,
@@ -36,7 +37,7 @@ from .passes import (
 from .policies import make_policy
 from .state import SEP, Manifest, StateDir, final_name
 from .stream import Progress, run_stream
-from .writers import AppendWriter, ModelWriter, copy_aux_files, staged_output
+from .writers import AppendWriter, ModelWriter, staged_output
 
 
 def unmerge(state_dir: str | os.PathLike, expert_id: str, mode: str, *, out: str | os.PathLike,
@@ -141,9 +142,7 @@ def subtract(sd: StateDir, k: int, *, out, base, backbone, device, threads, max_
 
                 run_stream(canonical_order(base_ck), load, work, threads=worker_threads(threads), progress=bar, prefetch=0,
                            sizes=lambda n: base_ck.meta(n).nbytes, budget=largest(metas))
-                writer.close()
-                state_writer.close()
-                copy_aux_files(base_ck, stage)
+                finish_model(writer, base_ck, stage, state_writer)
             except BaseException:
                 writer.abort()
                 raise

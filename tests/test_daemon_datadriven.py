@@ -207,7 +207,7 @@ def test_stop_abandons_a_fold_in_progress_and_the_expert_stays_queued(bert, expe
                mlflow={"enabled": False})
     svc = Service(c, serve_metrics=False, watch_sources=False)
     svc.start()
-    svc._delay = 0.5  # seconds per tensor: the fold would take ~20 s
+    svc.pipeline.tensor_delay = 0.5  # seconds per tensor: the fold would take ~20 s
     try:
         svc.on_expert_ready(ExpertReady(source="folder", uri=str(experts[0]), expert_id="e0"))
         threading.Timer(1.0, svc.stop).start()

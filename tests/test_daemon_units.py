@@ -126,3 +126,12 @@ def test_metrics_endpoint_serves_metrics_health_and_readiness():
         assert urllib.request.urlopen(base + "/readyz").status == 200
     finally:
         srv.stop()
+
+
+def test_metrics_server_binds_at_construction_and_stops_without_starting():
+    srv = MetricsServer(Metrics(), "127.0.0.1", 0)
+    assert srv.port > 0
+    with pytest.raises(OSError):
+        MetricsServer(Metrics(), "127.0.0.1", srv.port)  # taken
+    srv.stop()  # never started: returns at once
+    srv.stop()

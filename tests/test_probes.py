@@ -1,4 +1,4 @@
-"""Probes (mergestream.daemon.probes): weight-space values checked against hand-computed ones,
+"""Probes (mergestream.daemon.probes, with mergestream.text underneath): weight-space values checked against hand-computed ones,
 data probes on the tiny BERT / Llama fixtures with an offline tokenizer, task-probe discovery,
 user entry points and the runner. Real files throughout, no mocks."""
 
@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from mergestream import text as T
 from mergestream.daemon import probes as P
 from mergestream.daemon.probes import (
     ProbeContext,
@@ -25,9 +26,10 @@ from mergestream.daemon.probes import (
     discover_task_probe,
     make_probe,
     run_probes,
-    spearman,
 )
+from mergestream.daemon.probes import weight_space as WS
 from mergestream.errors import MergestreamError
+from mergestream.text import spearman
 
 from .conftest import make_hf_expert, save_tensors
 
@@ -245,9 +247,9 @@ def test_svd_cache_is_reused_and_invalidated_when_the_base_file_changes(tmp_path
     probe = make_probe("weight_space", k=k)
     P.clear_caches()
     first = probe(cand, ctx_for(base))["general_subspace_energy"]
-    assert len(P._SVD_CACHE) == 1 and "w" in next(iter(P._SVD_CACHE.values()))
+    assert len(WS._SVD_CACHE) == 1 and "w" in next(iter(WS._SVD_CACHE.values()))
     assert probe(cand, ctx_for(base))["general_subspace_energy"] == first
-    assert len(P._SVD_CACHE) == 1
+    assert len(WS._SVD_CACHE) == 1
 
     # θ₀ replaced in place by a matrix with other singular vectors: the cached U₀, V₀ must not be used
     w2, _, _ = spectral_base(16, 12, k, seed=9)
@@ -341,14 +343,14 @@ def test_spearman_matches_scipy_with_ties():
 def test_scored_pairs_read_quoted_fields_and_refuse_bad_files(tmp_path):
     quoted = 'He said "no diving".'
     path = write_pairs(tmp_path / "p.tsv", [(1.5, quoted, "a\tb"), (0, "x", "y"), (2, "u", "v")])
-    assert P.read_scored_pairs(path) == [(1.5, quoted, "a\tb"), (0.0, "x", "y"), (2.0, "u", "v")]
-    assert len(P.read_scored_pairs(path, max_pairs=2)) == 2
+    assert T.read_scored_pairs(path) == [(1.5, quoted, "a\tb"), (0.0, "x", "y"), (2.0, "u", "v")]
+    assert len(T.read_scored_pairs(path, max_pairs=2)) == 2
     (tmp_path / "h.tsv").write_text("s\ttext\ttext2\n1\ta\tb\n")
     with pytest.raises(ProbeError, match="missing \\['score'\\]"):
-        P.read_scored_pairs(tmp_path / "h.tsv")
+        T.read_scored_pairs(tmp_path / "h.tsv")
     (tmp_path / "n.tsv").write_text("score\ttext\ttext2\nhigh\ta\tb\n")
     with pytest.raises(ProbeError, match="n.tsv:2: score 'high'"):
-        P.read_scored_pairs(tmp_path / "n.tsv")
+        T.read_scored_pairs(tmp_path / "n.tsv")
 
 
 # ------------------------------------------------------------------------------------------
@@ -690,13 +692,13 @@ def test_run_probes_end_to_end_loads_the_encoder_once(bert, tok_dir, tmp_path, c
     rows = [(i % 3, x, y) for i, x, y in zip(range(6), sentences(6, 1), sentences(6, 2))]
     pairs = write_pairs(tmp_path / "sts.tsv", rows)
     probes = [make_probe("weight_space"), make_probe("sentence_similarity", data=pairs), make_probe("classification")]
-    with caplog.at_level(logging.INFO, logger="mergestream.daemon.probes"):
+    with caplog.at_level(logging.INFO, logger="mergestream"):  # the probes' and mergestream.text's logs
         got = run_probes(probes, bert, ctx_for(bert, tasks=[spec]))
     assert set(got) == {"relative_drift", "step_drift", "general_subspace_energy", "max_task_cosine",
                         "sts_spearman", "acc.topic"}
     assert got["acc.topic"] == 100.0
-    assert sum("probe model loaded" in r.getMessage() for r in caplog.records) == 1
-    assert not P._MODEL_SCOPE.get()  # nothing kept after the call
+    assert sum("model loaded" in r.getMessage() for r in caplog.records) == 1
+    assert not T._MODEL_SCOPE.get()  # nothing kept after the call
 
 
 # ------------------------------------------------------------------------------------------
@@ -712,3 +714,20 @@ def test_sentence_similarity_minilm_stsb_first_200_pairs(tmp_path):
     got = make_probe("sentence_similarity", data=sts, max_pairs=200)(model, ctx_for(model))
     # sentence-transformers' own encode() + scipy gives 93.086 on these pairs (82.03 on all 1379)
     assert got["sts_spearman"] == pytest.approx(93.086, abs=0.05)
+
+
+# ------------------------------------------------------------------------------------------
+# Layering: the text toolkit and its users below the daemon never import it
+# ------------------------------------------------------------------------------------------
+def test_modules_below_the_daemon_do_not_import_it():
+    import subprocess
+    import sys
+
+    modules = ("mergestream.text", "mergestream.ri", "mergestream.experts", "mergestream.inspection",
+               "mergestream.linalg", "mergestream.plugins")
+    code = ("import sys\n" + "".join(f"import {m}\n" for m in modules) +
+            "bad = sorted(k for k in sys.modules if k.startswith('mergestream.daemon'))\n"
+            "assert not bad, bad\n")
+    res = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert res.returncode == 0, res.stderr

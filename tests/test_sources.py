@@ -150,6 +150,14 @@ def test_safetensors_complete_rejects_every_truncation(tmp_path):
     assert not safetensors_complete(tmp_path / "long.safetensors")
 
 
+def test_safetensors_complete_never_raises_on_a_hostile_header(tmp_path):
+    for header in ({"t": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}}, [1, 2], {"t": 3}):
+        raw = json.dumps(header).encode()
+        p = tmp_path / "bad.safetensors"
+        p.write_bytes(len(raw).to_bytes(8, "little") + raw + b"\0" * 4)
+        assert not safetensors_complete(p), header
+
+
 def test_torch_zip_file_complete_only_with_end_record(tmp_path):
     p = tmp_path / "e.pt"
     torch.save(tensors(0, 8), p)
@@ -638,3 +646,127 @@ def test_registry_unreachable_calls_on_error_and_does_not_raise(tmp_path, monkey
     assert len(errors) == 2 and all(isinstance(e, Exception) for e in errors)  # one per model
     assert time.monotonic() - t0 < 30
     assert got.events == []
+
+
+# ------------------------------------------------------------------------------------------
+# the source registry and the service's use of it
+# ------------------------------------------------------------------------------------------
+class Cursors(dict):
+    """The ledger's cursor surface on a dict."""
+
+    def get_cursor(self, key, default=None):
+        return self.get(key, default)
+
+    def set_cursor(self, key, value):
+        self[key] = value
+
+
+def _config(tmp_path: Path, **kw):
+    from mergestream.config import Config
+
+    kw.setdefault("mlflow", {"enabled": False})
+    return Config(base=tmp_path / "base.safetensors", inbox=tmp_path / "inbox", state_dir=tmp_path / "state",
+                  metrics={"enabled": False}, **kw)
+
+
+def test_registry_builds_exactly_the_sources_the_config_enables(tmp_path):
+    from mergestream.daemon.sources import SourceContext, build_sources
+    from mergestream.errors import MergestreamError
+
+    ctx = SourceContext(cursors=Cursors())
+    kinds = lambda cfg: [type(s) for s in build_sources(cfg, Collector(), ctx)]
+    assert kinds(_config(tmp_path)) == [FolderSource]
+    assert kinds(_config(tmp_path, watch={"enabled": False})) == []
+    registry = {"enabled": True, "models": ["experts"], "tracking_uri": "http://127.0.0.1:1"}
+    assert kinds(_config(tmp_path, mlflow={"registry": registry})) == [FolderSource, RegistrySource]
+    assert kinds(_config(tmp_path, watch={"enabled": False}, mlflow={"registry": registry})) == [RegistrySource]
+    assert kinds(_config(tmp_path, mlflow={"registry": {**registry, "models": []}})) == [FolderSource]
+    hook = {"enabled": True, "port": 0, "secret": "s"}
+    assert kinds(_config(tmp_path, mlflow={"registry": registry, "webhook": hook})) == \
+        [FolderSource, RegistrySource, WebhookReceiver]
+    with pytest.raises(MergestreamError, match="needs a secret"):
+        build_sources(_config(tmp_path, mlflow={"registry": registry, "webhook": {"enabled": True}}), Collector(), ctx)
+
+
+def test_registry_source_advances_its_cursor_only_upwards():
+    from mergestream.daemon.sources.mlflow import cursor_version
+
+    cursors = Cursors()
+    src = RegistrySource(["m"], Collector(), last_version=lambda m: cursor_version(cursors, m), cache_dir=Path("/nonexistent"),
+                         cursors=cursors)
+    for key in ("mlflow:m:3", "mlflow:m:2", "mlflow:other:1", "mlflow:m:x"):
+        src.on_enqueued(ExpertReady("mlflow", "/x", "e", key))
+    assert cursors == {"mlflow:m": "3", "mlflow:other": "1"}
+    assert src.last_version("m") == 3
+
+
+def test_running_source_answers_for_its_keys_and_no_source_means_available(tmp_path, monkeypatch):
+    from mergestream.daemon.sources import Source, still_available
+
+    class Withdrawn(Source):
+        name = "mlflow"
+
+        def start(self): ...
+
+        def stop(self): ...
+
+        def still_available(self, registry_key):
+            return False
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    cfg = _config(tmp_path, mlflow={"registry": {"tracking_uri": f"http://127.0.0.1:{free_port()}"}})
+    assert not still_available("mlflow:m:1", [Withdrawn()], cfg)
+    assert still_available("mlflow:m:1", [], cfg)  # offline check: registry unreachable -> fold it
+    assert still_available("folder:x", [Withdrawn()], cfg) and still_available("s3:b/k", [], cfg)
+
+
+class CustomSource:
+    """A minimal source, conforming to the protocol by shape only: it emits one expert when started."""
+
+    name = "custom"
+
+    def __init__(self, emit, expert: Path):
+        self.emit, self.expert = emit, expert
+        self.calls: list[str] = []
+
+    def start(self) -> None:
+        self.calls.append("start")
+        self.emit(ExpertReady(self.name, str(self.expert), "custom-1", registry_key="custom:1"))
+
+    def stop(self) -> None:
+        self.calls.append("stop")
+
+    def still_available(self, registry_key: str) -> bool:
+        self.calls.append(f"available {registry_key}")
+        return registry_key == "custom:1"
+
+    def on_enqueued(self, ev: ExpertReady) -> None:
+        self.calls.append(f"enqueued {ev.registry_key}")
+
+
+def test_a_source_registered_in_the_registry_is_started_asked_and_stopped_by_the_service(tmp_path, monkeypatch):
+    from mergestream.daemon import sources
+    from mergestream.daemon.service import Service
+
+    save_file(tensors(0, 8), str(tmp_path / "base.safetensors"))
+    expert = tmp_path / "e.safetensors"
+    save_file(tensors(1, 8), str(expert))
+    built: list[CustomSource] = []
+
+    def build(cfg, emit, context):
+        built.append(CustomSource(emit, expert))
+        return built[-1:]
+
+    monkeypatch.setitem(sources.REGISTRY, "custom", sources.SourceKind(build))
+    svc = Service(_config(tmp_path, watch={"enabled": False}), serve_metrics=False)
+    assert isinstance(CustomSource(None, expert), sources.Source)
+    svc.start()
+    try:
+        assert svc.sources == built and built[0].calls == ["start", "enqueued custom:1"]
+        assert svc.ledger.expert("custom-1").registry_key == "custom:1"
+        assert svc.metrics.registry.get_sample_value("mergestream_experts_seen_total", {"source": "custom"}) == 1
+        assert svc._registry_version_exists("custom:1") and not svc._registry_version_exists("custom:2")
+        assert svc._registry_version_exists("other:1")
+    finally:
+        svc.shutdown()
+    assert built[0].calls[-1] == "stop"

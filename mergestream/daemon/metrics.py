@@ -4,19 +4,21 @@ Names follow Prometheus conventions (prefix ``mergestream_``, counters end in ``
 ``_seconds`` / ``_bytes``). Labels are bounded: policy names, outcomes, source kinds and probe
 metric names — never an expert id.
 
-The endpoint (``wsgiref`` + ``prometheus_client.make_wsgi_app``) serves ``/metrics``,
+The endpoint (:class:`mergestream.daemon.http.BackgroundHTTPServer` + ``prometheus_client``'s
+``MetricsHandler``) serves ``/metrics`` (and any other path, as ``prometheus_client`` does),
 ``/healthz`` (200 while the service loop has beaten within ``stale_after`` seconds) and
 ``/readyz`` (200 once the daemon has finished starting: lock, base probes, sources).
 """
 
 from __future__ import annotations
 
-import socketserver
-import threading
 import time
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from urllib.parse import unquote, urlsplit
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import MetricsHandler
+
+from .http import BackgroundHTTPServer, send_body
 
 FOLD_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 
@@ -74,44 +76,59 @@ class Metrics:
         return time.time() - self._last_beat < stale_after
 
 
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format, *args):  # noqa: A002 - signature from the stdlib
-        pass
+class _HealthHandler(MetricsHandler):
+    """``/healthz`` and ``/readyz`` for ``metrics``; every other path is ``prometheus_client``'s
+    exposition of ``registry`` (set with ``metrics`` and ``stale_after`` on a per-server subclass)."""
 
+    metrics: Metrics
+    stale_after: float
 
-class _ThreadingWSGIServer(socketserver.ThreadingMixIn, WSGIServer):
-    daemon_threads = True
+    def do_GET(self) -> None:
+        """Answer ``/healthz`` and ``/readyz`` (200 or 503, text), anything else with the metrics."""
+        path = unquote(urlsplit(self.path).path)
+        if path == "/healthz":
+            ok = self.metrics.healthy(self.stale_after)
+            return send_body(self, 200 if ok else 503, b"ok\n" if ok else b"stale\n", "text/plain")
+        if path == "/readyz":
+            ok = self.metrics.ready and self.metrics.healthy(self.stale_after)
+            return send_body(self, 200 if ok else 503, b"ready\n" if ok else b"not ready\n", "text/plain")
+        return super().do_GET()
 
 
 class MetricsServer:
-    """Serve ``/metrics``, ``/healthz`` and ``/readyz`` for ``metrics`` on host:port (0 = any free port)."""
+    """Serve ``/metrics``, ``/healthz`` and ``/readyz`` for ``metrics`` on host:port (0 = any free port).
+
+    The socket is bound here, so a taken port fails at construction.
+
+    Args:
+        metrics: what to serve. host: interface to bind. port: TCP port (0: a free one, see
+        :attr:`port`). stale_after: seconds without a :meth:`Metrics.beat` after which ``/healthz``
+        and ``/readyz`` answer 503.
+
+    Raises:
+        OSError: the address cannot be bound.
+    """
 
     def __init__(self, metrics: Metrics, host: str = "127.0.0.1", port: int = 9108, stale_after: float = 60.0):
         self.metrics = metrics
-        prom = make_wsgi_app(metrics.registry)
-
-        def app(environ, start_response):
-            path = environ.get("PATH_INFO", "/")
-            if path == "/healthz":
-                ok = metrics.healthy(stale_after)
-                start_response("200 OK" if ok else "503 Service Unavailable", [("Content-Type", "text/plain")])
-                return [b"ok\n" if ok else b"stale\n"]
-            if path == "/readyz":
-                ok = metrics.ready and metrics.healthy(stale_after)
-                start_response("200 OK" if ok else "503 Service Unavailable", [("Content-Type", "text/plain")])
-                return [b"ready\n" if ok else b"not ready\n"]
-            return prom(environ, start_response)
-
-        self._server = make_server(host, port, app, server_class=_ThreadingWSGIServer, handler_class=_QuietHandler)
-        self._thread = threading.Thread(target=self._server.serve_forever, name="metrics-http", daemon=True)
+        handler = type("BoundHealthHandler", (_HealthHandler,),
+                       {"registry": metrics.registry, "metrics": metrics, "stale_after": float(stale_after)})
+        self._http = BackgroundHTTPServer(host, port, handler, name="metrics-http")
+        self._http.bind()
 
     @property
     def port(self) -> int:
-        return self._server.server_port
+        """The bound TCP port."""
+        return self._http.port
 
     def start(self) -> None:
-        self._thread.start()
+        """Serve on a background daemon thread.
+
+        Raises:
+            RuntimeError: already started.
+        """
+        self._http.start()
 
     def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        """Stop serving and close the socket (idempotent)."""
+        self._http.stop()

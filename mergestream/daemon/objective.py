@@ -17,16 +17,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .probes import (
-    ProbeError,
-    SentenceSimilarityProbe,
-    TaskProbeSpec,
-    head_accuracy_of,
+from ..text import (
     load_head,
+    load_model,
+    load_tokenizer,
     read_labelled_jsonl,
     read_scored_pairs,
-    sts_spearman_of,
+    sts_spearman,
+    task_accuracy,
 )
+from .probes import ProbeError, SentenceSimilarityProbe, TaskProbeSpec
 
 log = logging.getLogger(__name__)
 
@@ -57,13 +57,11 @@ class ProbeObjective:
                  tokenizer: Path, task_weight: float = 1.0, general_weight: float = 1.0,
                  examples_per_task: int = 64, general_pairs: int = 200, device: str = "cpu",
                  on_eval: Callable[[np.ndarray, dict[str, float]], None] | None = None):
-        from transformers import AutoModel, AutoTokenizer
-
         if not (tasks and task_weight > 0) and not (general is not None and general_weight > 0):
             raise ProbeError("the CMA-ES objective needs a task probe or a sentence_similarity probe")
         self.device = torch.device(device)
-        self.tok = AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
-        self.model = AutoModel.from_pretrained(str(base), local_files_only=True).float().to(self.device).eval()
+        self.tok = load_tokenizer(tokenizer)
+        self.model = load_model(base, "encoder", self.device, reuse=False)  # its parameters are overwritten
         self.params = dict(self.model.state_dict(keep_vars=False))
         self.task_weight, self.general_weight = task_weight, general_weight
         self.tasks = []
@@ -99,12 +97,12 @@ class ProbeObjective:
         """The probe values of the resident encoder: acc.<task> (%), sts (x100) and the weighted score."""
         out: dict[str, float] = {}
         for spec, w, b, rows in self.tasks:
-            out[f"acc.{spec.task}"] = head_accuracy_of(self.model, self.tok, rows, w, b, task=spec.task,
-                                                       pooling=spec.pooling, device=self.device)
+            out[f"acc.{spec.task}"] = task_accuracy(self.model, self.tok, rows, w, b, task=spec.task,
+                                                    pooling=spec.pooling, device=self.device)
         accs = list(out.values())
         score = self.task_weight * float(np.mean(accs)) if accs and self.task_weight > 0 else 0.0
         if self.pairs:
-            sts = sts_spearman_of(self.model, self.tok, self.pairs, max_length=self.max_length, device=self.device)
+            sts = sts_spearman(self.model, self.tok, self.pairs, max_length=self.max_length, device=self.device)
             out["sts"] = 0.0 if np.isnan(sts) else sts
             score += self.general_weight * out["sts"]
         out["score"] = score

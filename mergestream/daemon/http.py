@@ -1,0 +1,92 @@
+"""One home for the daemon's small HTTP endpoints (metrics and health, the MLflow webhook).
+
+:class:`BackgroundHTTPServer` serves a ``http.server.BaseHTTPRequestHandler`` subclass with the
+standard library's ``ThreadingHTTPServer`` (one daemon thread per request) from a daemon thread, with
+an idempotent :meth:`~BackgroundHTTPServer.stop` and the bound :attr:`~BackgroundHTTPServer.port`
+(port 0 picks a free one); :func:`send_body` writes one whole reply.
+"""
+
+from __future__ import annotations
+
+import http.server
+import threading
+
+
+def send_body(handler: http.server.BaseHTTPRequestHandler, code: int, body: bytes, content_type: str) -> None:
+    """Reply to the request ``handler`` serves: status ``code``, ``Content-Type`` and
+    ``Content-Length`` headers, then ``body``."""
+    handler.send_response(code)
+    handler.send_header("Content-Type", content_type)
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
+class BackgroundHTTPServer:
+    """A ``ThreadingHTTPServer`` for ``handler`` on ``host:port``, served on a daemon thread.
+
+    Args:
+        host: interface to bind (e.g. ``127.0.0.1``; ``0.0.0.0`` for all).
+        port: TCP port; 0 picks a free one (see :attr:`port`).
+        handler: the request handler class (one instance per request, on its own thread).
+        name: the serving thread's name.
+        poll_interval: how often (seconds) the serving loop checks for :meth:`stop`.
+    """
+
+    def __init__(self, host: str, port: int, handler: type[http.server.BaseHTTPRequestHandler], *, name: str,
+                 poll_interval: float = 0.5):
+        self.host = host
+        self._port = int(port)
+        self.handler = handler
+        self.name = name
+        self.poll_interval = float(poll_interval)
+        self._server: http.server.ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        """The bound port once bound (the requested one before)."""
+        return self._server.server_address[1] if self._server is not None else self._port
+
+    @property
+    def serving(self) -> bool:
+        """True between :meth:`start` and :meth:`stop`."""
+        return self._thread is not None
+
+    def bind(self) -> None:
+        """Bind the socket now, without serving yet (idempotent; :meth:`start` binds if needed).
+
+        Raises:
+            OSError: the address cannot be bound (in use, unknown host, no permission).
+        """
+        if self._server is None:
+            server = http.server.ThreadingHTTPServer((self.host, self._port), self.handler)
+            server.daemon_threads = True
+            self._server = server
+
+    def start(self) -> None:
+        """Bind (unless done) and serve on a background daemon thread.
+
+        Raises:
+            OSError: the address cannot be bound.
+            RuntimeError: already serving.
+        """
+        if self._thread is not None:
+            raise RuntimeError(f"{self.name} already started")
+        self.bind()
+        self._thread = threading.Thread(target=self._server.serve_forever,
+                                        kwargs={"poll_interval": self.poll_interval}, name=self.name, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop serving, close the socket and join the thread (waits up to 10 s); idempotent, and
+        safe on a server that was bound but never started."""
+        server, thread = self._server, self._thread
+        self._server = self._thread = None
+        if server is None:
+            return
+        if thread is not None:
+            server.shutdown()
+        server.server_close()
+        if thread is not None:
+            thread.join(timeout=10)

@@ -1,0 +1,328 @@
+"""One attempt at a new backbone version: fold (or unmerge) -> probe -> gate -> publish | discard.
+
+The service's loop hands the pipeline one claimed expert (:meth:`Pipeline.fold`) or one operator
+unmerge (:meth:`Pipeline.unmerge`). Each builds a candidate in a staging folder, probes it, asks
+the gate, and concludes: an accepted candidate becomes the next published version; anything else
+is discarded with its reason. Every attempt, whatever its end, is recorded the same way (the
+ledger, ``fold.json``, Prometheus metrics, an MLflow run) by :meth:`Pipeline.conclude` from an
+:class:`Attempt` and its :class:`Outcome`.
+
+Pre-steps and data-driven extras of a fold: the RI pre-step (``policy.preprocess: [ri]``) and the
+coefficient search's probe objective (a policy whose ``searches_coefficients()`` is true) live in
+:mod:`.prestep`; the probes themselves in :mod:`.probes` (run through :class:`.probing.Prober`).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .. import engine
+from ..config import Config
+from ..errors import CheckpointError, MergestreamError, ValidationError
+from ..state import StateDir
+from . import gate
+from .ledger import ExpertRow, Ledger
+from .metrics import Metrics
+from .prestep import PreStepRejected, PreSteps, StopRequested
+from .probing import Prober
+from .store import Store
+from .tracking import Tracker
+
+log = logging.getLogger("mergestream.service")
+
+#: rows registered with the one content hash say so (rows of older versions used a file hash)
+HASH_KEY, HASH_KIND = "mergestream.hash", "weights/1"
+
+
+@dataclass
+class Attempt:
+    """One try at publishing a new version.
+
+    Attributes:
+        kind: ``"fold"`` (an expert in) or ``"unmerge"`` (an expert out).
+        expert_id: the expert folded in or removed.
+        staging: the candidate's folder (``model/``, ``state/``), published or removed at the end.
+        started: wall-clock start (s since the epoch).
+        row: the ledger row of a folded expert (None for an unmerge).
+        params: the policy parameters recorded with the attempt.
+        timings: seconds (and counts) per stage, logged as MLflow metrics.
+        extra: more for ``fold.json`` (the RI pre-step's and the coefficient search's records).
+        candidate_expert: the expert's folder when it is one (it may ship a task probe).
+    """
+
+    kind: str
+    expert_id: str
+    staging: Path
+    started: float
+    row: ExpertRow | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+    candidate_expert: Path | None = None
+
+
+@dataclass
+class Outcome:
+    """How an attempt ended.
+
+    Attributes:
+        decision: ``accepted``, ``rejected`` or ``failed``.
+        reason: why it was not accepted (None when accepted).
+        stage: where a rejection happened (``validation``, ``preprocess``, ``gate``), the label
+            of ``mergestream_experts_rejected_total``.
+        probes: the candidate's probe values (empty when it was never probed).
+    """
+
+    decision: str
+    reason: str | None = None
+    stage: str = ""
+    probes: dict[str, float] = field(default_factory=dict)
+
+
+class Pipeline:
+    """Fold / unmerge, probe, gate, publish or discard; one attempt at a time (the service's loop).
+
+    Args:
+        cfg, store, ledger, metrics, tracker: the service's parts.
+        stopping: set when a stop was asked: a fold in progress is abandoned at its next tensor
+            (or RI step, or objective evaluation) and its expert stays queued.
+        still_available: ``registry_key -> bool``; False when the expert's registry version was
+            deleted before it was folded.
+        tensor_delay: seconds to sleep per tensor (a testing aid: a slow fold to interrupt).
+    """
+
+    def __init__(self, cfg: Config, store: Store, ledger: Ledger, metrics: Metrics, tracker: Tracker, *,
+                 stopping: threading.Event, still_available: Callable[[str], bool], tensor_delay: float = 0.0):
+        self.cfg, self.store, self.ledger, self.metrics, self.tracker = cfg, store, ledger, metrics, tracker
+        self.stopping = stopping
+        self.still_available = still_available
+        self.tensor_delay = tensor_delay
+        self.prober = Prober(cfg, ledger, store)
+        self.presteps = PreSteps(cfg, self.prober, self.heartbeat)
+
+    def heartbeat(self, *_: Any) -> None:
+        """Called per tensor / RI step / objective evaluation: liveness, and a pending stop."""
+        self.metrics.beat()
+        if self.stopping.is_set():
+            raise StopRequested()
+
+    # -- the fold ---------------------------------------------------------------------------------------
+    def fold(self, row: ExpertRow) -> str:
+        """Fold one claimed expert; returns its final status (accepted, rejected, failed, or
+        pending when a stop interrupted it).
+
+        With ``policy.preprocess: [ri]`` the expert is first adapted (:mod:`.prestep`); a policy
+        that searches its coefficients gets the data probes' objective. Both are recorded in the
+        fold's timings (MLflow metrics) and in ``fold.json``.
+        """
+        att = Attempt("fold", row.expert_id, self.store.new_staging(), time.time(), row=row,
+                      params=dict(self.cfg.policy.params),
+                      candidate_expert=Path(row.uri) if Path(row.uri).is_dir() else None)
+        try:
+            outcome = self._build_fold(att) or self.probe_and_gate(att)
+        except StopRequested:
+            shutil.rmtree(att.staging, ignore_errors=True)
+            self.presteps.drop(row.expert_id)
+            self.ledger.requeue_interrupted()
+            log.warning("fold of %s abandoned: stop requested; it stays queued for the next start", row.expert_id)
+            return "pending"
+        self.conclude(att, outcome)
+        if outcome.decision != "accepted":
+            self.presteps.drop(row.expert_id)  # only an accepted expert's adapted copy is kept (for replay)
+        return outcome.decision
+
+    def _build_fold(self, att: Attempt) -> Outcome | None:
+        """Fold the expert into ``att.staging``; an :class:`Outcome` when that already ends the
+        attempt (rejected or failed), None when the candidate is ready to probe."""
+        row, pol = att.row, self.cfg.policy
+        cur = self.store.current_path()
+        backbone = cur / "model" if cur else None
+        log.info("fold start expert=%s policy=%s backbone=%s", row.expert_id, pol.name, backbone)
+        if row.registry_key and not self.still_available(row.registry_key):
+            return Outcome("rejected", "the registry version was deleted before it was folded", "validation")
+        try:
+            src = self.presteps.adapt(row, att) if "ri" in pol.preprocess else row.uri
+            objective = self.presteps.objective(att.candidate_expert) if pol.make().searches_coefficients() else None
+            self.store.carry_state(att.staging / "state")
+            delay = self.tensor_delay
+
+            def hook(_name: str) -> None:
+                self.heartbeat()
+                if delay:
+                    time.sleep(delay)
+
+            # the ledger's hash is the one the fold computes on its own pass: an expert changed since
+            # it was registered is refused (unless RI replaced it with its adapted copy)
+            checked = src == row.uri and row.metadata.get(HASH_KEY) == HASH_KIND
+            rep = engine.fold(self.cfg.base, backbone, src, pol.name, pol.params, state_dir=att.staging / "state",
+                              out=att.staging / "model", expert_id=row.expert_id, device=self.cfg.device,
+                              threads=self.cfg.fold_threads, max_shard_bytes=self.cfg.max_shard_bytes,
+                              tensor_hook=hook, objective=objective, expect_sha256=row.sha256 if checked else None)
+        except StopRequested:
+            raise
+        except PreStepRejected as exc:
+            return Outcome("rejected", str(exc), "preprocess")
+        except (ValidationError, CheckpointError, FileNotFoundError) as exc:
+            return Outcome("rejected", f"{type(exc).__name__}: {exc}", "validation")
+        except MergestreamError as exc:
+            return Outcome("failed", f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # a bug or an environment problem: record it, keep serving
+            log.exception("fold of %s failed", row.expert_id)
+            return Outcome("failed", f"{type(exc).__name__}: {exc}")
+        att.timings["fold_seconds"] = rep.seconds
+        self.metrics.bytes_read.inc(rep.bytes_read)
+        self.metrics.bytes_written.inc(rep.bytes_written)
+        att.params = dict(rep.params)
+        if rep.coefficients is not None:
+            att.params["coefficients_all"] = [round(c, 6) for c in rep.coefficients]
+        if rep.search is not None:
+            att.timings.update({f"cmaes_{k}": float(v) for k, v in rep.search.items()})
+            att.extra["cmaes"] = {**rep.search, "coefficients": rep.coefficients,
+                                  "evaluations_log": [{"alphas": a, **v} for a, v in objective.evaluations]}
+        return None
+
+    # -- the unmerge ------------------------------------------------------------------------------------
+    def unmerge(self, expert_id: str) -> str:
+        """Build a version without ``expert_id`` from the current one, probe, gate and conclude it;
+        returns the decision.
+
+        Raises:
+            MergestreamError: the engine could not unmerge (nothing was published or recorded).
+        """
+        cur = self.store.current_path()
+        mode = self.cfg.policy.unmerge_mode
+        att = Attempt("unmerge", expert_id, self.store.new_staging(), time.time(), params={"mode": mode})
+        self.store.carry_state(att.staging / "state")
+        try:
+            engine.unmerge(att.staging / "state", expert_id, mode, out=att.staging / "model",
+                           backbone=cur / "model", base=self.cfg.base, device=self.cfg.device,
+                           threads=self.cfg.fold_threads, max_shard_bytes=self.cfg.max_shard_bytes)
+        except MergestreamError:
+            shutil.rmtree(att.staging, ignore_errors=True)
+            raise
+        outcome = self.probe_and_gate(att)
+        self.conclude(att, outcome)
+        return outcome.decision
+
+    # -- probe and gate ---------------------------------------------------------------------------------
+    def probe_and_gate(self, att: Attempt) -> Outcome:
+        """Probe the staged candidate and ask the gate (against the current version, θ₀'s values
+        and the history of accepted versions)."""
+        cur = self.store.current_path()
+        try:
+            tp = time.time()
+            values = self.prober.run(att.staging / "model", cur / "model" if cur else None, att.staging / "state",
+                                     att.candidate_expert)
+            att.timings["probe_seconds"] = time.time() - tp
+        except Exception as exc:
+            log.exception("probes failed")
+            return Outcome("failed", f"probes failed: {type(exc).__name__}: {exc}")
+        for k, v in values.items():
+            self.metrics.candidate_probe_value.labels(probe=k).set(v)
+        base_values = self.ledger.get_meta("base_probes")
+        decision = gate.evaluate(self.cfg.gate.rules, values, self.prober.current(),
+                                 base_values["values"] if base_values else None, self.ledger.accepted_probe_history())
+        if not decision.accepted:
+            return Outcome("rejected", decision.reason, "gate", values)
+        return Outcome("accepted", None, "", values)
+
+    # -- conclude ---------------------------------------------------------------------------------------
+    def conclude(self, att: Attempt, outcome: Outcome) -> int | None:
+        """Publish or discard the candidate and record the attempt everywhere; the new version
+        number when one was published."""
+        seconds = time.time() - att.started
+        if outcome.decision == "accepted":
+            version, patch_path = self._publish(att, outcome, seconds)
+        else:
+            version, patch_path = None, None
+            self._discard(att, outcome)
+        pol = self.cfg.policy.name
+        self.metrics.folds.labels(policy=pol, outcome=outcome.decision).inc()
+        self.metrics.fold_duration.labels(policy=pol).observe(seconds)
+        self._track(att, outcome, version, patch_path)
+        self.refresh_gauges()
+        return version
+
+    def _publish(self, att: Attempt, outcome: Outcome, seconds: float) -> tuple[int, Path | None]:
+        pol = self.cfg.policy.name
+        prev = self.store.current()
+        patch_path = self._write_patch(prev, att.staging) if prev is not None and self.cfg.write_patches else None
+        fold_row = self.ledger.record_fold(att.kind, att.expert_id, pol, att.params, att.started, seconds, att.timings,
+                                           outcome.probes, "accepted", None, None)
+        state = att.staging / "state"
+        experts_in = StateDir(state).manifest.ids() if (state / "manifest.json").exists() else []
+        fold_doc = {"kind": att.kind, "expert": att.expert_id, "policy": pol, "params": att.params,
+                    "probes": outcome.probes, "timings": att.timings, "decision": "accepted", "experts": experts_in,
+                    "previous": prev, "time": time.time(), **att.extra}
+        version = self.store.publish(att.staging, fold_doc)
+        self.ledger.add_version(version, str(self.store.path(version)), experts_in, fold_row)
+        if att.kind == "fold":
+            self.ledger.set_status(att.expert_id, "accepted", None, version)
+            if att.candidate_expert is not None:
+                self.prober.keep_task_probe(att.expert_id, att.candidate_expert)
+        self.metrics.last_success.set(time.time())
+        for k, v in outcome.probes.items():
+            self.metrics.probe_value.labels(probe=k).set(v)
+        removed = self.store.retain(self.cfg.retention)
+        if removed:
+            log.info("retention removed versions %s", removed)
+        log.info("published version=%d expert=%s kind=%s seconds=%.2f", version, att.expert_id, att.kind, seconds)
+        return version, patch_path
+
+    def _discard(self, att: Attempt, outcome: Outcome) -> None:
+        shutil.rmtree(att.staging, ignore_errors=True)
+        self.ledger.record_fold(att.kind, att.expert_id, self.cfg.policy.name, att.params, att.started,
+                                time.time() - att.started, att.timings, outcome.probes, outcome.decision,
+                                outcome.reason, None)
+        if att.kind == "fold":
+            self.ledger.set_status(att.expert_id, outcome.decision, outcome.reason)
+        if outcome.decision == "rejected":
+            self.metrics.experts_rejected.labels(stage=outcome.stage or "gate").inc()
+            if outcome.stage == "gate":
+                self.metrics.rollbacks.inc()
+        log.warning("%s %s expert=%s reason=%s", att.kind, outcome.decision, att.expert_id, outcome.reason)
+
+    def _write_patch(self, prev: int, staging: Path) -> Path | None:
+        try:
+            from ..patch_build import build_patch
+        except ImportError:  # pragma: no cover - patches are optional
+            return None
+        out = staging / f"patch-from-{prev:06d}.safetensors"
+        try:
+            stats = build_patch(self.store.path(prev) / "model", staging / "model", out,
+                                source_version=str(prev), target_version=str(self.store.next_number()),
+                                policy=self.cfg.policy.name)
+        except Exception:
+            log.exception("patch from version %d failed (the version is published without it)", prev)
+            return None
+        self.metrics.patch_bytes.set(stats["patch_bytes"])
+        self.metrics.patch_ratio.set(stats["ratio"])
+        return out
+
+    def _track(self, att: Attempt, outcome: Outcome, version: int | None, patch_path: Path | None) -> None:
+        artifacts = []
+        if version is not None:
+            artifacts.append(str(self.store.path(version) / "fold.json"))
+            if patch_path is not None:
+                artifacts.append(str(self.store.path(version) / patch_path.name))
+        payload = {"kind": att.kind, "expert_id": att.expert_id, "decision": outcome.decision, "started": att.started,
+                   "run_name": f"{att.kind}-{att.expert_id}", "params": {"policy": self.cfg.policy.name, **att.params},
+                   "metrics": {**outcome.probes, **att.timings}, "tags": {"mergestream.reason": outcome.reason or ""},
+                   "artifacts": artifacts}
+        if version is not None:
+            payload.update(register_version=version, version_path=str(self.store.path(version)))
+        self.tracker.submit("fold", payload)
+        if version is not None:
+            self.tracker.submit("alias", {})
+
+    def refresh_gauges(self) -> None:
+        """Current version and queue depth gauges from the store and the ledger."""
+        self.metrics.current_version.set(self.store.current() or 0)
+        self.metrics.queue_depth.set(self.ledger.queue_depth())

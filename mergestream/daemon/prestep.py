@@ -1,0 +1,115 @@
+"""A fold's data-driven extras: the RI pre-step that adapts an expert before it is folded
+(``policy.preprocess: [ri]``), and the probe objective of a policy that searches its coefficients.
+
+RI: Resolving Interference (METHODS.md, "RI"), :func:`mergestream.ri.adapt_expert`. The adapted
+copy is kept under ``state_dir/ri/<expert>`` while the expert is in the backbone, so replay can
+re-read it.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..config import Config
+from ..errors import MergestreamError
+from ..ri import RIError, RIParams, adapt_expert, load_feature_model, read_aux
+from ..text import has_tokenizer, load_head
+from .ledger import ExpertRow
+from .objective import ProbeObjective
+from .probes import SentenceSimilarityProbe, discover_task_probe
+from .probing import Prober
+
+log = logging.getLogger("mergestream.service")
+
+
+class PreStepRejected(MergestreamError):
+    """A pre-step (RI) refused the expert; it is rejected with this reason."""
+
+
+class StopRequested(Exception):
+    """Raised inside a fold (per tensor, per RI step, per objective evaluation) once a stop was
+    asked: the fold is abandoned and its expert stays queued for the next start."""
+
+
+class PreSteps:
+    """The RI pre-step and the coefficient-search objective, for the pipeline.
+
+    Args:
+        cfg: the daemon's config. prober: the daemon's probes (task heads, general probe).
+        heartbeat: called per RI step and objective evaluation; raises :class:`StopRequested`
+            once a stop was asked.
+    """
+
+    def __init__(self, cfg: Config, prober: Prober, heartbeat: Callable[..., None]):
+        self.cfg, self.prober, self.heartbeat = cfg, prober, heartbeat
+
+    def ri_dir(self, expert_id: str) -> Path:
+        """Where an expert's RI-adapted copy is kept."""
+        return self.cfg.state_dir / "ri" / expert_id
+
+    def drop(self, expert_id: str) -> None:
+        """Remove an expert's adapted copy (it was not accepted, or was interrupted)."""
+        shutil.rmtree(self.ri_dir(expert_id), ignore_errors=True)
+
+    def adapt(self, row: ExpertRow, att: Any) -> str:
+        """Adapt the expert with RI; returns the path to fold (the adapted copy, or the expert
+        itself when it has no task head and ``ri.on_missing_head`` is ``fold``). Records timings
+        and ``fold.json`` extras on ``att`` (a :class:`~mergestream.daemon.pipeline.Attempt`).
+
+        Raises:
+            PreStepRejected: the expert has no task head and ``ri.on_missing_head`` is reject,
+                or RI cannot run on it (bad auxiliary data, unloadable expert, mismatched head).
+            StopRequested: a stop was asked during the adaptation.
+        """
+        rc = self.cfg.policy.ri
+        expert_dir = att.candidate_expert
+        spec = discover_task_probe(expert_dir) if expert_dir is not None else None
+        if spec is None:
+            msg = "RI needs the expert's task head (mergestream_probe/) and it has none"
+            if rc.on_missing_head == "reject":
+                raise PreStepRejected(msg)
+            log.warning("%s: folding %s unadapted", msg, row.expert_id)
+            att.extra["ri"] = {"skipped": msg}
+            att.timings["ri_skipped"] = 1.0
+            return row.uri
+        others = [s for s in self.prober.task_specs() if s.task != spec.task]
+        try:
+            aux = read_aux(rc.data, rc.max_examples)
+            tok = expert_dir if has_tokenizer(expert_dir) else Path(self.cfg.base)
+            fm = load_feature_model(rc.forward, tokenizer=tok, pooling=spec.pooling, max_length=rc.max_length)
+            params = RIParams(alpha=rc.alpha, steps=rc.steps, time_budget_seconds=rc.time_budget_seconds, lr=rc.lr,
+                              batch_size=rc.batch_size, max_length=rc.max_length)
+
+            def progress(step: int, loss: float) -> None:
+                self.heartbeat()
+                if step % 10 == 0 or step == params.steps:
+                    log.info("ri expert=%s step=%d/%d loss=%.5g", row.expert_id, step, params.steps, loss)
+
+            t = time.time()
+            path, res = adapt_expert(expert_dir, self.cfg.base, self.ri_dir(row.expert_id),
+                                     own_head=load_head(spec.head, spec.task),
+                                     other_heads=[load_head(s.head, s.task) for s in others], aux=aux, params=params,
+                                     feature_model=fm, cache_dir=self.cfg.state_dir / "cache", device=self.cfg.device,
+                                     progress=progress)
+        except RIError as exc:
+            raise PreStepRejected(f"RI pre-step: {exc}") from exc
+        att.timings.update(ri_seconds=time.time() - t, ri_steps=float(res.steps), ri_loss_before=res.loss_before,
+                           ri_loss_after=res.loss_after)
+        att.extra["ri"] = {**res.to_json(), "other_tasks": [s.task for s in others]}
+        return str(path)
+
+    def objective(self, candidate_expert: Path | None) -> ProbeObjective:
+        """The coefficient search's objective on the data probes (task heads incl. the candidate's,
+        and the configured sentence_similarity probe), see :class:`.objective.ProbeObjective`."""
+        oc = self.cfg.policy.objective
+        general = next((p for p in self.prober.probes() if isinstance(p, SentenceSimilarityProbe)), None)
+        base = Path(self.cfg.base)
+        return ProbeObjective(base, self.prober.task_specs(candidate_expert), general, tokenizer=base,
+                              task_weight=oc.task_weight, general_weight=oc.general_weight,
+                              examples_per_task=oc.examples_per_task, general_pairs=oc.general_pairs,
+                              device=self.cfg.device, on_eval=self.heartbeat)

@@ -1,0 +1,308 @@
+"""Folder source: watch an inbox folder and emit each expert that becomes ready.
+
+A watchdog observer (inotify on Linux; :class:`PollingObserver` with ``polling=True`` for network
+filesystems where inotify sees nothing) notes every top-level inbox entry an event touches. What a
+candidate is, which names are ignored, and when it is complete are in
+:mod:`mergestream.daemon.sources.readiness`. Writers should stage under a temporary name and rename
+into place: the rename's destination is watched (``on_moved`` dest_path), and a renamed-in entry
+whose files are older than the settle time is ready at once.
+
+A candidate is ready when
+
+(a) its marker exists (``READY`` inside a folder, ``NAME.safetensors.READY`` beside a file). The
+    marker is the producer's promise: the expert is emitted at once, without completeness or
+    settle checks; or
+(b) it is complete **and** settled: the sizes and mtimes of all its files were observed unchanged
+    for ``settle_seconds``, or the newest mtime is already ``settle_seconds`` old by the local clock
+    (what arrived while the daemon was down, or was renamed into place). With a network filesystem
+    whose clock is behind the daemon's by more than the settle time, only (a) or the completeness
+    check protect against a half written expert: prefer markers or rename-into-place there.
+
+After an expert was emitted it is not emitted again unless its files change (size or mtime of any
+file) and become ready again, or it is deleted and arrives anew. A copy of the same content under
+another name is another candidate (emitted; the ledger dedups by content hash).
+
+Event handlers only record the candidate's name; a checker thread (ticks of ``settle_seconds / 4``,
+between 0.05 and 0.5 s) stats pending candidates, runs the cheap completeness check only once their
+files are settled, and emits. A candidate found settled but incomplete leaves the pending set until
+an event touches it again. Every 30 s the checker also lists the inbox, in case an event was lost
+(e.g. an inotify queue overflow). :meth:`FolderSource.start` starts the observer first, then runs
+:meth:`FolderSource.scan` (what arrived while the daemon was down), then the checker.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ...checkpoints import default_expert_id
+from .base import Emit, ExpertReady, Source, SourceContext
+from .readiness import (
+    MARKER_NAME,
+    MARKER_SUFFIX,
+    Signature,
+    expert_complete,
+    file_signature,
+    has_marker,
+    is_temporary_name,
+)
+
+if TYPE_CHECKING:
+    from ...config import Config
+
+log = logging.getLogger(__name__)
+
+#: How often the folder checker lists the whole inbox in case an event was lost (seconds).
+RESCAN_SECONDS = 30.0
+
+
+@dataclass
+class _Candidate:
+    signature: Signature | None = None
+    since: float = 0.0            # monotonic time the current signature was first seen
+    retry_at: float = 0.0         # monotonic time before which a failed emit is not retried
+
+
+class _InboxHandler:
+    """watchdog handler: maps every event to its top-level inbox name and records it (nothing more)."""
+
+    _IGNORED = frozenset({"opened", "closed_no_write"})
+
+    def __init__(self, source: FolderSource):
+        self._source = source
+
+    def dispatch(self, event) -> None:  # watchdog calls dispatch(event) on its emitter thread
+        if event.event_type in self._IGNORED:
+            return
+        self._source._note(os.fsdecode(event.src_path))
+        if getattr(event, "dest_path", ""):
+            self._source._note(os.fsdecode(event.dest_path))
+
+
+class FolderSource(Source):
+    """Watch an inbox folder and emit :class:`ExpertReady` for each expert that becomes ready.
+
+    Readiness rules are in the module docstring. Thread-safe; ``emit`` is called from the checker
+    thread (or from the caller of :meth:`scan`), one call at a time.
+
+    Args:
+        inbox: the folder to watch (created if missing).
+        emit: called once per ready expert; an exception from it is logged and the expert is
+            retried after ``max(settle_seconds, 1)`` seconds.
+        settle_seconds: how long (seconds) a complete candidate's file sizes and mtimes must stay
+            unchanged before it is ready.
+        polling: use watchdog's ``PollingObserver`` (stat every ``poll_interval``) instead of the
+            native observer: for NFS/SMB/FUSE mounts where inotify sees nothing.
+        poll_interval: seconds between polling snapshots (``polling=True`` only).
+    """
+
+    name = "folder"
+
+    def __init__(self, inbox: Path, emit: Emit, *, settle_seconds: float = 2.0,
+                 polling: bool = False, poll_interval: float = 1.0):
+        if settle_seconds < 0:
+            raise ValueError(f"settle_seconds must be >= 0, got {settle_seconds}")
+        if poll_interval <= 0:
+            raise ValueError(f"poll_interval must be > 0, got {poll_interval}")
+        self.inbox = Path(inbox)
+        self.emit = emit
+        self.settle_seconds = float(settle_seconds)
+        self.polling = polling
+        self.poll_interval = float(poll_interval)
+        self._tick = max(0.05, min(0.5, self.settle_seconds / 4))
+        self._noted: set[str] = set()           # names recorded by handlers since the last pass
+        self._noted_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._check_lock = threading.Lock()     # one check pass at a time (checker thread or scan())
+        self._pending: dict[str, _Candidate] = {}
+        self._emitted: dict[str, Signature] = {}
+        self._incomplete: dict[str, Signature] = {}  # settled but incomplete: recheck when it changes
+        self._observer = None
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._last_rescan = 0.0
+
+    # -- event side (tiny) -------------------------------------------------------------------
+    def _note(self, path: str) -> None:
+        """Record the top-level inbox name that ``path`` belongs to (called by the handler)."""
+        try:
+            rel = Path(path).relative_to(self.inbox)
+        except ValueError:
+            return
+        if not rel.parts:
+            return
+        name = self._candidate_name(rel.parts[0])
+        if name is None:
+            return
+        with self._noted_lock:
+            self._noted.add(name)
+        self._wake.set()
+
+    @staticmethod
+    def _candidate_name(top: str) -> str | None:
+        """The candidate a top-level name belongs to (``x.safetensors.READY`` -> ``x.safetensors``),
+        or None for temporary names and a bare ``READY``."""
+        if top.endswith(MARKER_SUFFIX):
+            top = top[: -len(MARKER_SUFFIX)]
+        if not top or top == MARKER_NAME or is_temporary_name(top):
+            return None
+        return top
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the observer, run :meth:`scan` (emits what is already ready), start the checker.
+
+        Raises:
+            RuntimeError: already started.
+            OSError: the inbox cannot be created or watched.
+        """
+        if self._observer is not None:
+            raise RuntimeError("FolderSource already started")
+        from watchdog.observers import Observer
+        from watchdog.observers.polling import PollingObserver
+
+        self.inbox.mkdir(parents=True, exist_ok=True)
+        self._stopping.clear()
+        observer = PollingObserver(timeout=self.poll_interval) if self.polling else Observer()
+        observer.schedule(_InboxHandler(self), str(self.inbox), recursive=True)
+        observer.daemon = True
+        observer.start()
+        self._observer = observer
+        try:
+            self.scan()
+        except BaseException:
+            self.stop()
+            raise
+        self._thread = threading.Thread(target=self._run, name=f"inbox-checker:{self.inbox.name}", daemon=True)
+        self._thread.start()
+        log.info("folder source started inbox=%s observer=%s settle_seconds=%.2f", self.inbox,
+                 type(observer).__name__, self.settle_seconds)
+
+    def stop(self) -> None:
+        """Stop the observer and the checker thread (waits for both; idempotent)."""
+        self._stopping.set()
+        self._wake.set()
+        if self._observer is not None:
+            self._observer.stop()
+            self._observer.join(timeout=10)
+            self._observer = None
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+        log.info("folder source stopped inbox=%s", self.inbox)
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            self._wake.wait(timeout=self._tick if self._pending or self._noted else RESCAN_SECONDS / 4)
+            self._wake.clear()
+            if self._stopping.is_set():
+                break
+            try:
+                rescan = time.monotonic() - self._last_rescan >= RESCAN_SECONDS
+                self._check(rescan=rescan)
+            except Exception:  # pragma: no cover - keep watching whatever happens
+                log.exception("folder source check failed inbox=%s", self.inbox)
+
+    # -- checks ------------------------------------------------------------------------------
+    def scan(self) -> list[ExpertReady]:
+        """One synchronous pass over the whole inbox: emit and return what is ready now.
+
+        Candidates that are complete but not yet settled stay pending for the checker thread
+        (when started). Never raises for inbox contents; OSError if the inbox cannot be listed.
+        """
+        return self._check(rescan=True, raise_on_list=True)
+
+    def _list_inbox(self) -> set[str]:
+        names = set()
+        for entry in os.scandir(self.inbox):
+            name = self._candidate_name(entry.name)
+            if name is not None:
+                names.add(name)
+        return names
+
+    def _check(self, *, rescan: bool, raise_on_list: bool = False) -> list[ExpertReady]:
+        with self._check_lock:
+            with self._noted_lock:
+                noted, self._noted = self._noted, set()
+            if rescan:
+                self._last_rescan = time.monotonic()
+                try:
+                    listed = self._list_inbox()
+                except OSError:
+                    if raise_on_list:
+                        raise
+                    log.warning("cannot list inbox %s", self.inbox, exc_info=True)
+                    listed = set()
+                # emitted entries are rechecked on events only
+                noted |= {n for n in listed if n not in self._emitted}
+            for name in noted:
+                self._pending.setdefault(name, _Candidate())
+            out = []
+            for name in sorted(self._pending):
+                ev = self._check_one(name)
+                if ev is not None:
+                    out.append(ev)
+            return out
+
+    def _check_one(self, name: str) -> ExpertReady | None:
+        path = self.inbox / name
+        cand = self._pending[name]
+        sig = file_signature(path)
+        if sig is None:  # deleted or moved away: forget it (a new arrival is a new expert)
+            del self._pending[name]
+            self._emitted.pop(name, None)
+            self._incomplete.pop(name, None)
+            return None
+        if sig == self._emitted.get(name):  # an event on an unchanged, already emitted expert
+            del self._pending[name]
+            return None
+        now = time.monotonic()
+        if sig != cand.signature:
+            cand.signature, cand.since = sig, now
+        if now < cand.retry_at:
+            return None
+        if has_marker(path):
+            why = "marker"
+        else:
+            newest_ns = max((m for _, _, m in sig), default=0)
+            at_rest = newest_ns / 1e9 <= time.time() - self.settle_seconds
+            settled = now - cand.since >= self.settle_seconds or (at_rest and bool(sig))
+            if not settled:
+                return None
+            if sig == self._incomplete.get(name):  # checked before, unchanged: wait for an event
+                del self._pending[name]
+                return None
+            if not expert_complete(path):
+                self._incomplete[name] = sig
+                del self._pending[name]
+                log.info("inbox entry settled but incomplete, waiting for changes path=%s", path)
+                return None
+            why = "settled"
+        ev = ExpertReady(source=self.name, uri=str(path), expert_id=default_expert_id(path),
+                         registry_key=None, metadata={})
+        try:
+            self.emit(ev)
+        except Exception:
+            delay = max(self.settle_seconds, 1.0)
+            log.exception("emit failed for %s; retrying in %.1f s", path, delay)
+            cand.retry_at = now + delay
+            return None
+        self._emitted[name] = sig
+        self._incomplete.pop(name, None)
+        del self._pending[name]
+        log.info("expert ready source=folder id=%s uri=%s reason=%s", ev.expert_id, ev.uri, why)
+        return ev
+
+
+def build(cfg: Config, emit: Emit, context: SourceContext) -> list[Source]:
+    """The folder source of ``cfg.watch`` on ``cfg.inbox`` (none when ``watch.enabled`` is false)."""
+    w = cfg.watch
+    if not w.enabled:
+        return []
+    return [FolderSource(cfg.inbox, emit, settle_seconds=w.settle_seconds, polling=w.polling,
+                         poll_interval=w.poll_interval)]

@@ -1,0 +1,182 @@
+"""Readiness checks: is an inbox entry a whole expert yet? Pure functions on paths, never raising.
+
+Each *top-level* entry of an inbox is one candidate expert:
+
+* a single weight file ``NAME.safetensors``, ``NAME.bin``, ``NAME.pt`` or ``NAME.pth``;
+* a folder: a Hugging Face model folder (``model.safetensors``, or ``model.safetensors.index.json``
+  plus every shard it names, or one ``*.safetensors``, or a legacy ``pytorch_model.bin``/
+  ``model.bin``/``model.pt``), or a PEFT adapter folder (``adapter_config.json`` +
+  ``adapter_model.safetensors`` or ``adapter_model.bin``).
+
+Ignored names (temporary or hidden): a leading ``.``; a trailing ``~``; the suffixes ``.tmp``,
+``.part``, ``.partial``, ``.crdownload``, ``.incomplete``. They are ignored at the top level (the
+whole entry) and inside folders (not part of the expert).
+
+Complete (:func:`expert_complete`): a ``.safetensors`` file is accepted by
+:func:`mergestream.st.read_header` (its header parses and validates, and the file size equals
+``8 + header length + end of the last tensor``: a truncated or still-growing file fails, and so does
+a whole file the checkpoint reader would refuse); a ``.bin``/``.pt`` zip archive (``torch.save``'s
+format) has its end-of-archive record; an old-style pickle ``.bin`` cannot be checked (settle only);
+a sharded folder's index parses and every shard it names exists and is complete; an adapter
+folder's ``adapter_config.json`` parses and its weights are complete; a ``config.json`` in the
+folder, if present, parses. Marker (:func:`has_marker`): ``READY`` inside a folder, or
+``NAME.safetensors.READY`` (the full file name plus ``.READY``) next to a single file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zipfile
+from pathlib import Path
+
+from ... import st
+from ...checkpoints import INDEX_NAME, SINGLE_NAME
+
+MARKER_NAME = "READY"
+MARKER_SUFFIX = ".READY"
+TEMP_SUFFIXES = (".tmp", ".part", ".partial", ".crdownload", ".incomplete")
+FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+LEGACY_FOLDER_WEIGHTS = ("pytorch_model.bin", "model.bin", "model.pt")
+_ZIP_MAGIC = b"PK\x03\x04"
+
+
+def is_temporary_name(name: str) -> bool:
+    """True for names a writer uses while staging: leading ``.``, trailing ``~``, or a temporary
+    suffix (``.tmp .part .partial .crdownload .incomplete``, any case)."""
+    low = name.lower()
+    return name.startswith(".") or name.endswith("~") or low.endswith(TEMP_SUFFIXES)
+
+
+def safetensors_complete(path: Path) -> bool:
+    """True if ``path`` is a whole safetensors file, as :func:`mergestream.st.read_header` checks
+    it: the header parses and validates and the file size equals ``8 + header length + end offset of
+    the last tensor`` (bytes).
+
+    Never raises: an unreadable, truncated, growing or malformed file is simply not complete.
+    """
+    try:
+        st.read_header(path)
+    except (st.FormatError, TypeError):  # TypeError: a hostile header (e.g. a list as a dtype)
+        return False
+    return True
+
+
+def torch_file_complete(path: Path) -> bool:
+    """True if a ``.bin``/``.pt`` file looks whole: a zip archive (``torch.save``'s format since
+    1.6) must have its end-of-archive record; an old-style pickle cannot be checked (True).
+    Never raises (an unreadable file is False)."""
+    try:
+        with open(path, "rb") as fh:
+            magic = fh.read(4)
+    except OSError:
+        return False
+    if magic == _ZIP_MAGIC:
+        return zipfile.is_zipfile(path)
+    return len(magic) == 4
+
+
+def weight_file_complete(path: Path) -> bool:
+    """Completeness of one weight file by its suffix (see :func:`safetensors_complete`,
+    :func:`torch_file_complete`); False if it is not a regular file. Never raises."""
+    if not path.is_file():
+        return False
+    if path.name.endswith(".safetensors"):
+        return safetensors_complete(path)
+    return torch_file_complete(path)
+
+
+def _json_ok(path: Path) -> bool:
+    try:
+        json.loads(path.read_text())
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def expert_complete(path: Path) -> bool:
+    """True if the inbox entry ``path`` holds a complete expert (see the module docstring).
+
+    Never raises.
+    """
+    try:
+        if path.is_file():
+            return path.name.endswith(FILE_SUFFIXES) and weight_file_complete(path)
+        if not path.is_dir():
+            return False
+        if (path / "config.json").exists() and not _json_ok(path / "config.json"):
+            return False
+        if (path / ADAPTER_CONFIG).exists():
+            if not _json_ok(path / ADAPTER_CONFIG):
+                return False
+            return any(weight_file_complete(path / w) for w in ADAPTER_WEIGHTS)
+        index = path / INDEX_NAME
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                shards = sorted(set(weight_map.values()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                return False
+            return bool(shards) and all(weight_file_complete(path / s) for s in shards)
+        if (path / SINGLE_NAME).exists():
+            return weight_file_complete(path / SINGLE_NAME)
+        singles = [p for p in path.glob("*.safetensors") if not is_temporary_name(p.name)]
+        if len(singles) == 1:
+            return weight_file_complete(singles[0])
+        for legacy in LEGACY_FOLDER_WEIGHTS:
+            if (path / legacy).exists():
+                return weight_file_complete(path / legacy)
+        return False
+    except OSError:
+        return False
+
+
+def loadable_folder(path: Path) -> bool:
+    """True if the checkpoint reader can open the folder ``path`` as it is (an index, a
+    ``model.safetensors``, an adapter config, one ``*.safetensors`` or a legacy weight file)."""
+    if (path / INDEX_NAME).is_file() or (path / SINGLE_NAME).is_file() or (path / ADAPTER_CONFIG).is_file():
+        return True
+    if len(list(path.glob("*.safetensors"))) == 1:
+        return True
+    return any((path / n).is_file() for n in LEGACY_FOLDER_WEIGHTS)
+
+
+def has_marker(path: Path) -> bool:
+    """True if the producer marked ``path`` ready: ``path/READY`` for a folder,
+    ``<path>.READY`` beside a single file."""
+    if path.is_dir():
+        return (path / MARKER_NAME).exists()
+    return path.with_name(path.name + MARKER_SUFFIX).exists()
+
+
+#: (relative name, size in bytes, mtime in ns) of every non-temporary file of a candidate, sorted.
+Signature = tuple[tuple[str, int, int], ...]
+
+
+def file_signature(path: Path) -> Signature | None:
+    """Sizes (bytes) and mtimes (ns) of the candidate's files (recursively for a folder; temporary
+    names and the folder's ``READY`` marker excluded, so a marker added later is not a change); None
+    if ``path`` does not exist. Never raises."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    if not path.is_dir():
+        return ((path.name, stat.st_size, stat.st_mtime_ns),)
+    out = []
+    for root, dirs, files in os.walk(path):
+        dirs[:] = [d for d in dirs if not is_temporary_name(d)]
+        for f in files:
+            if is_temporary_name(f):
+                continue
+            p = os.path.join(root, f)
+            try:
+                s = os.stat(p)
+            except OSError:
+                continue
+            rel = os.path.relpath(p, path)
+            if rel != MARKER_NAME:
+                out.append((rel, s.st_size, s.st_mtime_ns))
+    return tuple(sorted(out))

@@ -1,0 +1,163 @@
+"""What a new operator hit (issue: rollback bookkeeping, late config errors, ...): each as a class,
+through the real service, ledger, store and CLI."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from mergestream.checkpoints import read_state_dict
+from mergestream.config import Config, ConfigError, load_config
+from mergestream.daemon.service import Service
+from mergestream.daemon.sources import ExpertReady
+from mergestream.state import StateDir
+
+from .conftest import perturb, random_model, run_cli, save_tensors
+
+
+def _experts(tmp: Path, n: int) -> tuple[Path, list[Path]]:
+    base = random_model(0)
+    bpath = save_tensors(tmp / "base.safetensors", base)
+    return bpath, [save_tensors(tmp / f"e{i}.safetensors", perturb(base, 0.01, seed=i + 1)) for i in range(n)]
+
+
+def _service(tmp: Path, base: Path, **extra) -> Service:
+    cfg = Config(base=base, inbox=tmp / "inbox", state_dir=tmp / "state", metrics={"enabled": False},
+                 mlflow={"enabled": False}, gate={"rules": []}, **extra)
+    svc = Service(cfg, serve_metrics=False, watch_sources=False)
+    svc.start()
+    return svc
+
+
+def _status(svc: Service) -> dict[str, str]:
+    return {r.expert_id: r.status for r in svc.ledger.experts()}
+
+
+def _ok(svc: Service, verb: str, arg) -> str:
+    import json
+
+    res = json.loads(svc.execute(verb, str(arg)))
+    assert res["ok"], res["message"]
+    return res["message"]
+
+
+def test_rollback_back_and_forth_keeps_status_unmerge_and_retry_working(tmp_path):
+    bpath, experts = _experts(tmp_path, 4)
+    svc = _service(tmp_path, bpath)
+    try:
+        for i, e in enumerate(experts):
+            svc.on_expert_ready(ExpertReady(source="folder", uri=str(e), expert_id=f"e{i}"))
+            assert svc.step()
+        assert svc.store.current() == 4 and set(_status(svc).values()) == {"accepted"}
+        for back, forth in ((1, 2), (1, 4), (3, 4), (2, 3)):
+            _ok(svc, "rollback", back)
+            want = {f"e{i}": "accepted" if i < back else "unmerged" for i in range(4)}
+            assert _status(svc) == want, f"after rollback to {back}"
+            _ok(svc, "rollback", forth)
+            want = {f"e{i}": "accepted" if i < forth else "unmerged" for i in range(4)}
+            assert _status(svc) == want, f"after rolling forward {back} -> {forth}"
+        # at version 3 (e0..e2): unmerge works on a rolled-forward expert, retry on the rolled-out one
+        assert "e2 unmerged" in _ok(svc, "unmerge", "e2")
+        assert _status(svc)["e2"] == "unmerged" and svc.store.current() == 5
+        _ok(svc, "retry", "e3")
+        assert svc.step() and _status(svc)["e3"] == "accepted" and svc.store.current() == 6
+        assert set(svc.store.fold_json(6)["experts"]) == {"e0", "e1", "e3"}
+        # an unmerged expert comes back with a rollback to a version that holds it
+        _ok(svc, "rollback", 3)
+        assert _status(svc) == {"e0": "accepted", "e1": "accepted", "e2": "accepted", "e3": "unmerged"}
+    finally:
+        svc.shutdown()
+
+
+def test_published_states_name_their_own_model(tmp_path):
+    """A one-shot unmerge of a published state needs no --backbone: every version's state names
+    versions/N/model (never the staging folder it was built in, which is gone)."""
+    bpath, experts = _experts(tmp_path, 2)
+    svc = _service(tmp_path, bpath)
+    try:
+        for i, e in enumerate(experts):
+            svc.on_expert_ready(ExpertReady(source="folder", uri=str(e), expert_id=f"e{i}"))
+            assert svc.step()
+    finally:
+        svc.shutdown()
+    for n in (1, 2):
+        version = tmp_path / "state" / "versions" / f"{n:06d}"
+        assert Path(StateDir(version / "state").manifest.backbone) == (version / "model").resolve()
+    v2 = tmp_path / "state" / "versions" / "000002"
+    work = tmp_path / "oneshot-state"
+    shutil.copytree(v2 / "state", work)
+    run_cli("unmerge", "--state", str(work), "--expert", "e1", "--out", str(tmp_path / "out"))
+    got, want = read_state_dict(tmp_path / "out"), read_state_dict(tmp_path / "state" / "versions" / "000001" / "model")
+    assert got.keys() == want.keys() and all(bool((got[k] == want[k]).all()) for k in want)
+
+
+@pytest.mark.parametrize("policy, why", [
+    ({"name": "safemerge"}, "unknown policy 'safemerge'"),
+    ({"name": "safe_merge", "params": {"rhoo": 0.2}}, "rhoo"),
+    ({"name": "ties", "params": {"k": 250}}, "k"),
+    ({"name": "task_arithmetic", "params": {"lambda": "much"}}, "lambda"),
+])
+def test_a_bad_policy_or_parameter_is_refused_when_the_config_loads(tmp_path, policy, why):
+    import yaml
+
+    bpath, _ = _experts(tmp_path, 0)
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(yaml.safe_dump({"base": str(bpath), "policy": policy}))
+    with pytest.raises(ConfigError, match=why):
+        load_config(cfg)
+    bad = run_cli("run", "--config", str(cfg), check=False)
+    assert bad.returncode == 2 and why in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+def _config(tmp: Path, **doc) -> Path:
+    import yaml
+
+    path = tmp / "config.yaml"
+    path.write_text(yaml.safe_dump({"inbox": str(tmp / "inbox"), "state_dir": str(tmp / "state"),
+                                    "mlflow": {"enabled": False}, **doc}))
+    return path
+
+
+@pytest.mark.parametrize("what", ["not a model folder", "missing", "empty file", "probe data missing",
+                                  "port taken"])
+def test_what_can_be_checked_at_start_is_refused_at_start(tmp_path, what):
+    """`run` refuses in one line with exit 2 (and `init` refuses a base that is not a model),
+    instead of reporting ready and failing every expert."""
+    import socket
+
+    bpath, _ = _experts(tmp_path, 0)
+    doc: dict = {"base": str(bpath), "metrics": {"enabled": False}}
+    expect = "base"
+    sock = None
+    if what == "not a model folder":
+        (tmp_path / "notes").mkdir()
+        (tmp_path / "notes" / "README.txt").write_text("hello")
+        doc["base"] = str(tmp_path / "notes")
+    elif what == "missing":
+        doc["base"] = str(tmp_path / "nowhere")
+    elif what == "empty file":
+        (tmp_path / "empty.safetensors").write_bytes(b"")
+        doc["base"] = str(tmp_path / "empty.safetensors")
+    elif what == "probe data missing":
+        doc["probes"] = [{"type": "sentence_similarity", "params": {"data": str(tmp_path / "nope.tsv")}}]
+        expect = "probes"
+    else:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        doc["metrics"] = {"enabled": True, "host": "127.0.0.1", "port": sock.getsockname()[1]}
+        expect = f"metrics.port {sock.getsockname()[1]}"
+    try:
+        bad = run_cli("run", "--config", str(_config(tmp_path, **doc)), check=False)
+    finally:
+        if sock is not None:
+            sock.close()
+    assert bad.returncode == 2, bad.stderr
+    assert expect in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    assert not (tmp_path / "state" / "versions").exists()
+    if what in ("not a model folder", "empty file"):
+        init = run_cli("init", str(tmp_path / "d"), "--base", doc["base"], check=False)
+        assert init.returncode == 2 and len(init.stderr.strip().splitlines()) == 1, init.stderr
+        assert not (tmp_path / "d" / "config.yaml").exists()
