@@ -146,7 +146,8 @@ def unmerge_cmd(expert, config_path, state_dir, expert_id, mode, out, backbone, 
 
     \b
     Daemon form:   mergestream unmerge EXPERT --config FILE
-                   (a new version without EXPERT, through the probes and the gate)
+                   (a new version without EXPERT, through the probes and the gate;
+                   EXPERT: its id or a unique prefix of it)
     One-shot form: mergestream unmerge --state DIR --expert ID --mode subtract|replay --out OUT
     """
     if config_path:
@@ -257,7 +258,8 @@ def status_cmd(config_path, as_json) -> None:
     if as_json:
         click.echo(json.dumps(doc, indent=2))
         return
-    click.echo(f"current version: {doc['current_version']}  (kept: {doc['versions']})  policy: {cfg.policy.name}  "
+    current = doc["current_version"] if doc["current_version"] is not None else "none yet"
+    click.echo(f"current version: {current}  (kept: {doc['versions']})  policy: {cfg.policy.name}  "
                f"daemon: {'running' if doc['daemon_running'] else 'stopped'}  queue: {doc['queue_depth']}")
     for e in experts:
         extra = f"  v{e['version']}" if e["version"] else ""
@@ -278,6 +280,9 @@ def history_cmd(config_path, as_json) -> None:
     folds = Ledger(cfg.state_dir / "ledger.sqlite").folds()
     if as_json:
         click.echo(json.dumps(folds, indent=2))
+        return
+    if not folds:
+        click.echo("no folds yet")
         return
     for f in folds:
         probes = ", ".join(f"{k}={v:.4g}" for k, v in sorted(f["probes"].items()))
@@ -301,7 +306,7 @@ def rollback_cmd(config_path, version) -> None:
 @click.option("--config", "config_path", required=True, type=click.Path(), help="daemon config (YAML)")
 @_fail_cleanly
 def retry_cmd(expert, config_path) -> None:
-    """Queue a rejected or failed expert again."""
+    """Queue a rejected, failed or unmerged expert again (EXPERT: its id or a unique prefix of it)."""
     _operator(config_path, "retry", expert)
 
 

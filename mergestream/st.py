@@ -32,6 +32,8 @@ from typing import Any
 
 WEIGHTS_HASH_TAG = b"mergestream-weights-sha256/1\x00"
 _MAX_HEADER = 100 * 1024 * 1024  # the safetensors format's own limit
+#: the longest safetensors header (bytes) the format allows
+MAX_HEADER_BYTES = _MAX_HEADER
 
 
 class FormatError(Exception):

@@ -23,10 +23,10 @@ def _experts(tmp: Path, n: int) -> tuple[Path, list[Path]]:
     return bpath, [save_tensors(tmp / f"e{i}.safetensors", perturb(base, 0.01, seed=i + 1)) for i in range(n)]
 
 
-def _service(tmp: Path, base: Path, **extra) -> Service:
+def _service(tmp: Path, base: Path, watch_sources: bool = False, **extra) -> Service:
     cfg = Config(base=base, inbox=tmp / "inbox", state_dir=tmp / "state", metrics={"enabled": False},
                  mlflow={"enabled": False}, gate={"rules": []}, **extra)
-    svc = Service(cfg, serve_metrics=False, watch_sources=False)
+    svc = Service(cfg, serve_metrics=False, watch_sources=watch_sources)
     svc.start()
     return svc
 
@@ -161,3 +161,81 @@ def test_what_can_be_checked_at_start_is_refused_at_start(tmp_path, what):
         init = run_cli("init", str(tmp_path / "d"), "--base", doc["base"], check=False)
         assert init.returncode == 2 and len(init.stderr.strip().splitlines()) == 1, init.stderr
         assert not (tmp_path / "d" / "config.yaml").exists()
+
+
+def test_junk_in_the_inbox_is_rejected_visibly_and_a_renamed_copy_is_a_duplicate(tmp_path):
+    """notes.txt and random bytes named .safetensors (no READY marker) are rejected with their
+    reasons and shown in `status`; the same weights under a new file name are not folded twice."""
+    import os
+    import time
+
+    bpath, experts = _experts(tmp_path, 1)
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    shutil.copy(experts[0], inbox / "sst2.safetensors")
+    shutil.copy(experts[0], inbox / "sst2copy.safetensors")
+    (inbox / "notes.txt").write_text("fold sst2 first")
+    (inbox / "junk.safetensors").write_bytes(os.urandom(2048))
+    svc = _service(tmp_path, bpath, watch_sources=True, watch={"settle_seconds": 0.3})
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            svc.step()
+            st = _status(svc)
+            if len(st) == 3 and "pending" not in st.values() and "folding" not in st.values() and \
+                    any(f["kind"] == "duplicate" for f in svc.ledger.folds()):
+                break
+            time.sleep(0.2)
+        rows = {r.expert_id: r for r in svc.ledger.experts()}
+        assert {rows["notes.txt"].status, rows["junk"].status} == {"rejected"}, rows
+        assert "UnsupportedCheckpointError" in rows["notes.txt"].reason
+        assert "CorruptCheckpointError" in rows["junk"].reason
+        folded = [e for e in ("sst2", "sst2copy") if e in rows]
+        assert len(folded) == 1 and rows[folded[0]].status == "accepted" and svc.store.current() == 1
+        dup = [f for f in svc.ledger.folds() if f["kind"] == "duplicate"]
+        assert len(dup) == 1 and dup[0]["decision"] == "rejected" and f"expert {folded[0]}" in dup[0]["reason"]
+        assert svc.metrics.experts_rejected.labels(stage="duplicate")._value.get() == 1
+    finally:
+        svc.shutdown()
+    out = run_cli("status", "--config", str(_config(tmp_path, base=str(bpath))))
+    assert "junk" in out.stdout and "rejected" in out.stdout and "CorruptCheckpointError" in out.stdout
+
+
+def test_rough_edges_prefix_ids_operator_rollback_counter_404_and_empty_outputs(tmp_path):
+    import urllib.error
+    import urllib.request
+
+    from mergestream.daemon.metrics import Metrics, MetricsServer
+
+    bpath, experts = _experts(tmp_path, 3)
+    cfg_path = _config(tmp_path, base=str(bpath), metrics={"enabled": False})
+    assert "current version: none yet" in run_cli("status", "--config", str(cfg_path)).stdout
+    assert run_cli("history", "--config", str(cfg_path)).stdout.strip() == "no folds yet"
+    svc = _service(tmp_path, bpath)
+    try:
+        for i, e in enumerate(experts):  # ids like the demo's cache copies: name-hash
+            svc.on_expert_ready(ExpertReady(source="folder", uri=str(e), expert_id=f"{'ab'[i % 2]}ta-{i}f00d{i}"))
+            assert svc.step()
+        assert sorted(_status(svc)) == ["ata-0f00d0", "ata-2f00d2", "bta-1f00d1"]
+        assert "bta-1f00d1 unmerged" in _ok(svc, "unmerge", "bta")  # a unique prefix
+        import json
+
+        res = json.loads(svc.execute("retry", "ata"))
+        assert not res["ok"] and "ata-0f00d0" in res["message"] and "ata-2f00d2" in res["message"]
+        _ok(svc, "rollback", 2)
+        _ok(svc, "rollback", 4)
+        assert svc.metrics.operator_rollbacks._value.get() == 2
+        assert svc.metrics.rollbacks._value.get() == 0  # the gate rejected nothing
+    finally:
+        svc.shutdown()
+    server = MetricsServer(Metrics(), "127.0.0.1", 0)
+    server.start()
+    try:
+        base = f"http://127.0.0.1:{server.port}"
+        assert b"mergestream_operator_rollbacks_total" in urllib.request.urlopen(base + "/metrics").read()
+        for path in ("/", "/metric", "/favicon.ico"):
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(base + path)
+            assert err.value.code == 404
+    finally:
+        server.stop()

@@ -770,3 +770,27 @@ def test_a_source_registered_in_the_registry_is_started_asked_and_stopped_by_the
     finally:
         svc.shutdown()
     assert built[0].calls[-1] == "stop"
+
+
+def test_settled_files_that_can_never_be_experts_are_handed_on_not_left_unseen(inbox, started):
+    """A file that is not a weight file, random bytes named .safetensors, or a safetensors file
+    with bytes after its data is emitted once settled (the daemon then rejects it with its reason);
+    a safetensors file whose data is still shorter than its header says keeps waiting."""
+    from mergestream.daemon.sources import never_an_expert
+
+    good = st_bytes(3, 64)
+    (inbox / "notes.txt").write_text("remember to fold the sst2 expert")
+    (inbox / "junk.safetensors").write_bytes(os.urandom(4096))
+    (inbox / "trailing.safetensors").write_bytes(good + b"extra")
+    (inbox / "arriving.safetensors").write_bytes(good[:-16])
+    assert never_an_expert(inbox / "arriving.safetensors") is None
+    assert never_an_expert(inbox / "notes.txt") and never_an_expert(inbox / "junk.safetensors")
+    assert "bytes follow" in never_an_expert(inbox / "trailing.safetensors")
+    got = Collector()
+    started(FolderSource(inbox, got, settle_seconds=SETTLE))
+    got.wait_for(3, timeout=10)
+    time.sleep(4 * SETTLE)
+    assert sorted(Path(u).name for u in got.uris) == ["junk.safetensors", "notes.txt", "trailing.safetensors"]
+    (inbox / "arriving.safetensors").write_bytes(good)  # the rest arrives: now it is an expert
+    got.wait_for(4, timeout=10)
+    assert Path(got.uris[-1]).name == "arriving.safetensors"

@@ -196,8 +196,24 @@ class Ledger:
             return ids
 
     def expert(self, expert_id: str) -> ExpertRow | None:
+        """The row of ``expert_id`` (exactly), or None."""
         rows = self._q("SELECT * FROM experts WHERE expert_id = ?", (expert_id,))
         return self._expert(rows[0]) if rows else None
+
+    def resolve_id(self, name: str) -> str:
+        """The expert id an operator means: ``name`` itself if it is an id, else the one id that
+        starts with ``name`` (``sst2`` for ``sst2-a49c298240bd``); ``name`` unchanged when none does.
+
+        Raises:
+            ValueError: several ids start with ``name`` (they are listed).
+        """
+        if self.expert(name) is not None:
+            return name
+        hits = [r["expert_id"] for r in self._q("SELECT expert_id FROM experts ORDER BY row")
+                if r["expert_id"].startswith(name)]
+        if len(hits) > 1:
+            raise ValueError(f"{name!r} matches several experts: {', '.join(hits)}; give more of the id")
+        return hits[0] if hits else name
 
     def experts(self) -> list[ExpertRow]:
         return [self._expert(r) for r in self._q("SELECT * FROM experts ORDER BY row")]

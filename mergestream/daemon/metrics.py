@@ -5,7 +5,7 @@ Names follow Prometheus conventions (prefix ``mergestream_``, counters end in ``
 metric names — never an expert id.
 
 The endpoint (:class:`mergestream.daemon.http.BackgroundHTTPServer` + ``prometheus_client``'s
-``MetricsHandler``) serves ``/metrics`` (and any other path, as ``prometheus_client`` does),
+``MetricsHandler``) serves ``/metrics`` (any other path is 404),
 ``/healthz`` (200 while the service loop has beaten within ``stale_after`` seconds) and
 ``/readyz`` (200 once the daemon has finished starting: lock, base probes, sources).
 """
@@ -49,6 +49,8 @@ class Metrics:
                                            namespace=ns, registry=r)
         self.rollbacks = Counter("rollbacks", "Candidates rejected by the gate (current stays where it was)", namespace=ns,
                                  registry=r)
+        self.operator_rollbacks = Counter("operator_rollbacks", "`rollback --to N` commands that moved current",
+                                          namespace=ns, registry=r)
         self.unmerges = Counter("unmerges", "Experts removed from the backbone", namespace=ns, registry=r)
         self.source_errors = Counter("source_errors", "Errors polling or watching sources", ["source"], namespace=ns,
                                      registry=r)
@@ -65,20 +67,24 @@ class Metrics:
         for outcome in ("accepted", "rejected", "failed"):
             self.folds.labels(policy="-", outcome=outcome)
         self.rollbacks.inc(0)
+        self.operator_rollbacks.inc(0)
         self._last_beat = 0.0
         self.ready = False
 
     def beat(self) -> None:
+        """Record that the service loop is alive (now)."""
         self._last_beat = time.time()
         self.heartbeat.set(self._last_beat)
 
     def healthy(self, stale_after: float = 60.0) -> bool:
+        """True if the loop beat within the last ``stale_after`` seconds."""
         return time.time() - self._last_beat < stale_after
 
 
 class _HealthHandler(MetricsHandler):
-    """``/healthz`` and ``/readyz`` for ``metrics``; every other path is ``prometheus_client``'s
-    exposition of ``registry`` (set with ``metrics`` and ``stale_after`` on a per-server subclass)."""
+    """``/healthz`` and ``/readyz`` for ``metrics``, ``/metrics`` as ``prometheus_client``'s exposition
+    of ``registry`` (set with ``metrics`` and ``stale_after`` on a per-server subclass); any other
+    path is 404."""
 
     metrics: Metrics
     stale_after: float
@@ -92,7 +98,9 @@ class _HealthHandler(MetricsHandler):
         if path == "/readyz":
             ok = self.metrics.ready and self.metrics.healthy(self.stale_after)
             return send_body(self, 200 if ok else 503, b"ready\n" if ok else b"not ready\n", "text/plain")
-        return super().do_GET()
+        if path == "/metrics":
+            return super().do_GET()
+        return send_body(self, 404, b"not found: the paths are /metrics, /healthz and /readyz\n", "text/plain")
 
 
 class MetricsServer:

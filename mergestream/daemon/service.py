@@ -210,10 +210,12 @@ class Service:
         try:
             if verb == "rollback":
                 msg = self.rollback(int(arg))
-            elif verb == "unmerge":
-                msg = self.unmerge(str(arg))
-            elif verb == "retry":
-                msg = self.retry(str(arg))
+            elif verb in ("unmerge", "retry"):
+                try:
+                    expert_id = self.ledger.resolve_id(str(arg))  # a unique prefix will do
+                except ValueError as exc:
+                    raise MergestreamError(str(exc)) from None
+                msg = self.unmerge(expert_id) if verb == "unmerge" else self.retry(expert_id)
             else:
                 raise MergestreamError(f"unknown command {verb!r}")
             return json.dumps({"ok": True, "message": msg})
@@ -222,7 +224,12 @@ class Service:
 
     # -- sources -> ledger ----------------------------------------------------------------------------
     def on_expert_ready(self, ev: ExpertReady) -> None:
-        """Source callback (any thread): hash, enqueue idempotently, wake the loop."""
+        """Source callback (any thread): hash, enqueue idempotently, wake the loop.
+
+        The same content arriving again under another name (or path) is not folded again: it is
+        recorded in the history as a rejected ``duplicate`` and counted in
+        ``mergestream_experts_rejected_total{stage="duplicate"}``.
+        """
         try:
             sha = content_sha256(ev.uri)
         except OSError as exc:
@@ -237,6 +244,13 @@ class Service:
         if new:
             self.metrics.experts_seen.labels(source=ev.source).inc()
             log.info("expert queued id=%s source=%s uri=%s", row.expert_id, ev.source, ev.uri)
+        elif row.uri != ev.uri and not (ev.registry_key and ev.registry_key == row.registry_key):
+            # the same weights under another name: identity is the content, so it is not folded again
+            reason = f"duplicate: same weights as expert {row.expert_id} ({row.uri}); not folded again"
+            self.metrics.experts_rejected.labels(stage="duplicate").inc()
+            self.ledger.record_fold("duplicate", ev.expert_id, self.cfg.policy.name, {"uri": ev.uri}, time.time(),
+                                    0.0, {}, {}, "rejected", reason, None)
+            log.warning("expert %s at %s rejected: %s", ev.expert_id, ev.uri, reason)
         self.metrics.queue_depth.set(self.ledger.queue_depth())
         self.wake.set()
 
@@ -267,6 +281,7 @@ class Service:
         for k, v in probes.items():
             self.metrics.probe_value.labels(probe=k).set(v)
         self.tracker.submit("alias", {})
+        self.metrics.operator_rollbacks.inc()
         self.pipeline.refresh_gauges()
         return f"current: version {before} -> {version}"
 

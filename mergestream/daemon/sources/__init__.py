@@ -32,6 +32,7 @@ from .readiness import (
     file_signature,
     has_marker,
     is_temporary_name,
+    never_an_expert,
     safetensors_complete,
     torch_file_complete,
     weight_file_complete,
@@ -97,5 +98,6 @@ __all__ = [
     "still_available",
     "torch_file_complete",
     "verify_webhook",
+    "never_an_expert",
     "weight_file_complete",
 ]

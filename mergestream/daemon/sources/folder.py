@@ -16,7 +16,10 @@ A candidate is ready when
     for ``settle_seconds``, or the newest mtime is already ``settle_seconds`` old by the local clock
     (what arrived while the daemon was down, or was renamed into place). With a network filesystem
     whose clock is behind the daemon's by more than the settle time, only (a) or the completeness
-    check protect against a half written expert: prefer markers or rename-into-place there.
+    check protect against a half written expert: prefer markers or rename-into-place there; or
+(c) it is a settled *file* that can never be an expert (:func:`.readiness.never_an_expert`: not a
+    weight file, random bytes, a header that is all there and invalid): it is emitted so that the
+    daemon rejects it with its reason and ``status`` shows it, instead of it waiting unseen.
 
 After an expert was emitted it is not emitted again unless its files change (size or mtime of any
 file) and become ready again, or it is deleted and arrives anew. A copy of the same content under
@@ -50,6 +53,7 @@ from .readiness import (
     file_signature,
     has_marker,
     is_temporary_name,
+    never_an_expert,
 )
 
 if TYPE_CHECKING:
@@ -277,12 +281,17 @@ class FolderSource(Source):
             if sig == self._incomplete.get(name):  # checked before, unchanged: wait for an event
                 del self._pending[name]
                 return None
-            if not expert_complete(path):
-                self._incomplete[name] = sig
-                del self._pending[name]
-                log.info("inbox entry settled but incomplete, waiting for changes path=%s", path)
-                return None
             why = "settled"
+            if not expert_complete(path):
+                hopeless = never_an_expert(path)
+                if hopeless is None:
+                    self._incomplete[name] = sig
+                    del self._pending[name]
+                    log.info("inbox entry settled but incomplete, waiting for changes path=%s", path)
+                    return None
+                # handed on so the daemon rejects it with its reason, visible in `status`
+                log.warning("inbox entry can never be an expert (%s) path=%s", hopeless, path)
+                why = "settled, never an expert"
         ev = ExpertReady(source=self.name, uri=str(path), expert_id=default_expert_id(path),
                          registry_key=None, metadata={})
         try:

@@ -64,6 +64,43 @@ def safetensors_complete(path: Path) -> bool:
     return True
 
 
+def never_an_expert(path: Path) -> str | None:
+    """Why a settled inbox *file* can never become an expert however long it waits, or None when
+    it may still be arriving (and for folders, which wait for their files or a marker).
+
+    Never an expert: a file that is not a weight file by its suffix (``notes.txt``); a
+    ``.safetensors`` file whose header length is beyond the format's limit (random bytes), whose
+    header is all there but does not parse or validate, or which has bytes after its data. A
+    file whose header or data is shorter than it says is still arriving. Never raises.
+    """
+    if not path.is_file():
+        return None
+    if not path.name.lower().endswith(st.WEIGHT_SUFFIXES):
+        return f"{path.name} is not a weight file ({', '.join(st.WEIGHT_SUFFIXES)})"
+    if not path.name.endswith(".safetensors"):
+        return None
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                return None
+            n = int.from_bytes(head, "little")
+            if n < 2 or n > st.MAX_HEADER_BYTES:
+                return f"not a safetensors file (header length {n} bytes)"
+            if 8 + n > size:
+                return None
+            raw = fh.read(n)
+        hdr = st.parse_header_text(raw.decode("utf-8"), path, str(path))
+    except OSError:
+        return None
+    except (UnicodeDecodeError, st.FormatError) as exc:
+        return f"not a safetensors file ({exc})"
+    if hdr.data_start + hdr.data_len < size:
+        return f"{size - hdr.data_start - hdr.data_len} bytes follow the last tensor"
+    return None
+
+
 def torch_file_complete(path: Path) -> bool:
     """True if a ``.bin``/``.pt`` file looks whole: a zip archive (``torch.save``'s format since
     1.6) must have its end-of-archive record; an old-style pickle cannot be checked (True).
