@@ -56,6 +56,7 @@ from .passes import (
     canonical_order,
     cast_checked,
     finish_model,
+    kept_ties,
     largest,
     open_base_and_backbone,
     provenance,
@@ -147,7 +148,11 @@ def fold(base: str | os.PathLike, backbone: str | os.PathLike | None, expert: st
         lin = pol.linear_scale() if isinstance(exp, DenseExpert) else None
         # element-wise policies are I/O-bound: read ahead into pooled buffers (no page faults)
         buffers = worker_threads(threads) + 1 if lin is not None else 0
-        loader = ExpertLoader(exp, base_ck, tied_groups(base_ck), f"expert {exp.path}", buffers)
+        ties = tied_groups(base_ck)
+        aliases = kept_ties(ties, [*([] if cur is base_ck else [cur.get]), _tensor_reader(exp, base_ck)],
+                            f"expert {exp.path}") if ties else {}
+        loader = ExpertLoader(exp, base_ck, aliases, f"expert {exp.path}", buffers)
+        loader.untied = aliases != ties
         return _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, dev, threads,
                           max_shard_bytes, objective, overwrite, progress, expect_sha256, tensor_hook, t0)
     finally:
@@ -249,7 +254,7 @@ def _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, 
                     coeffs, found = _optimise_coefficients(pol, base_ck, state_path, coeffs, list(prev_coeffs),
                                                            objective, dev)
                     _rewrite_from_state(pol, base_ck, state_path, coeffs, writer, dev, threads, aliases)
-                finish_model(writer, base_ck, stage, contrib)
+                finish_model(writer, base_ck, stage, contrib, untied=loader.untied)
             except BaseException:
                 writer.abort()
                 raise
@@ -294,6 +299,14 @@ def _state_reader(path: Path) -> Callable[[str], dict[str, torch.Tensor]]:
         t, _, f = key.rpartition(SEP)
         fields.setdefault(t, []).append(f)
     return lambda name: {f: ck.get(f"{name}{SEP}{f}") for f in fields.get(name, [])}
+
+
+def _tensor_reader(exp, base: Checkpoint) -> Callable[[str], torch.Tensor]:
+    """``name -> tensor`` of an expert for :func:`~mergestream.passes.kept_ties`: a dense expert's
+    stored tensor, a LoRA adapter's task vector (θ₀'s tensor is the same for both names of a tie)."""
+    if isinstance(exp, DenseExpert):
+        return exp.get
+    return lambda name: exp.task_vector(name, base.get(name))
 
 
 def weights_stream(pol: Policy, base: Checkpoint, state_path: Path, coeffs: list[float],
@@ -372,7 +385,8 @@ def merge(base: str | os.PathLike, experts: list[str | os.PathLike], policy: str
     try:
         for e in exps:
             validate_against_base(base_ck, e, role="expert", deep=False)
-        aliases = tied_groups(base_ck)
+        ties = tied_groups(base_ck)
+        aliases = kept_ties(ties, [_tensor_reader(e, base_ck) for e in exps], "an expert") if ties else {}
         loaders = [ExpertLoader(e, base_ck, aliases, f"expert {e.path}") for e in exps]
         metas = base_ck.metas()
         stats = Stats()
@@ -410,7 +424,7 @@ def merge(base: str | os.PathLike, experts: list[str | os.PathLike], policy: str
                 shas = [ld.reader.sha256() if ld.dense else e.sha256() for ld, e in zip(loaders, exps)]
                 records = [{"id": default_expert_id(p), "sha256": s} for p, s in zip(experts, shas)]
                 writer.set_metadata(provenance(pol, records, base_ck))
-                finish_model(writer, base_ck, stage)
+                finish_model(writer, base_ck, stage, untied=aliases != ties)
             except BaseException:
                 writer.abort()
                 raise

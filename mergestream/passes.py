@@ -9,9 +9,11 @@ storage dtype of θ₀ on the CPU before they are written.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,8 @@ from .policies import Policy, make_policy
 from .st import name_order
 from .stream import ExpertReader, default_threads, run_stream
 from .writers import ModelWriter, copy_aux_files, staged_output
+
+log = logging.getLogger("mergestream.engine")
 
 
 @dataclass
@@ -119,6 +123,34 @@ def write_with_aliases(writer: ModelWriter, name: str, result: torch.Tensor, ali
             writer.write(alias, result)
 
 
+def kept_ties(ties: dict[str, str], readers: list[Callable[[str], torch.Tensor]], where: str) -> dict[str, str]:
+    """The ties of θ₀ (``{alias: primary}``, :func:`~mergestream.checkpoints.tied_groups`) that every
+    input keeps: ``read(alias)`` equals ``read(primary)`` bit for bit for each reader (the backbone
+    θ_{t−1}, each expert's tensor or LoRA task vector). Only those are written as one tensor; an
+    untied pair is folded tensor by tensor, and the output is marked untied (:func:`untie_config`).
+    Reads the two tensors of each tie once per input (embedding-sized, a few per model)."""
+    kept = {}
+    for alias, primary in ties.items():
+        if all(torch.equal(read(alias), read(primary)) for read in readers):
+            kept[alias] = primary
+        else:
+            log.warning("%s unties %s from %s: folded separately, the output is untied "
+                        "(config.json tie_word_embeddings=false)", where, alias, primary)
+    return kept
+
+
+def untie_config(folder: Path) -> None:
+    """Mark a written model untied: ``tie_word_embeddings: false`` in its ``config.json`` (if it has
+    one), so loaders keep the LM head the fold wrote instead of re-tying it to the embeddings."""
+    cfg = Path(folder) / "config.json"
+    if not cfg.is_file():
+        return
+    doc = json.loads(cfg.read_text())
+    if doc.get("tie_word_embeddings") is not False:
+        doc["tie_word_embeddings"] = False
+        cfg.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+
+
 def provenance(policy: Policy, records: list[dict[str, str]], base: Checkpoint) -> dict[str, str]:
     return {
         "format": "pt",
@@ -162,6 +194,8 @@ class ExpertLoader:
         self.reader = ExpertReader(exp.ckpt, buffers) if self.dense else None
         self.base = base
         self.aliases = aliases
+        #: set by the caller when θ₀ ties tensors that this fold writes untied (see kept_ties)
+        self.untied = False
         self.where = where
         self.names = self.reader.order() if self.dense else [n for n in canonical_order(base) if n not in aliases]
 
@@ -196,14 +230,17 @@ def canonical_order(ck: Checkpoint) -> list[str]:
     return name_order(ck.keys())
 
 
-def finish_model(writer: ModelWriter, base: Checkpoint, stage: Path, *others: Any) -> None:
+def finish_model(writer: ModelWriter, base: Checkpoint, stage: Path, *others: Any, untied: bool = False) -> None:
     """End a pass's output: close the model writer and the other writers (state, residuals; None
-    skipped), then copy θ₀'s non-weight files into the staged folder."""
+    skipped), then copy θ₀'s non-weight files into the staged folder (marked untied with
+    ``untied``, see :func:`kept_ties`)."""
     writer.close()
     for other in others:
         if other is not None:
             other.close()
     copy_aux_files(base, stage)
+    if untied:
+        untie_config(stage)
 
 
 def copy_base(base: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False,

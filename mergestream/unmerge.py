@@ -28,6 +28,7 @@ from .passes import (
     cast_checked,
     copy_base,
     finish_model,
+    kept_ties,
     largest,
     open_base_and_backbone,
     provenance,
@@ -106,7 +107,8 @@ def subtract(sd: StateDir, k: int, *, out, base, backbone, device, threads, max_
             raise StateError(f"{sd.path}: no stored contribution for expert {rec.id!r}")
         contrib = residuals.ResidualReader(sd.path / rec.contribution)
     metas = base_ck.metas()
-    aliases = tied_groups(base_ck)
+    ties = tied_groups(base_ck)
+    aliases = kept_ties(ties, [cur.get], f"backbone {backbone}") if ties else {}
     state_path = sd.new_file("state")
     state_writer = AppendWriter(state_path, header_bytes=residuals.header_room(metas, 4))
     lock = threading.Lock()
@@ -142,7 +144,7 @@ def subtract(sd: StateDir, k: int, *, out, base, backbone, device, threads, max_
 
                 run_stream(canonical_order(base_ck), load, work, threads=worker_threads(threads), progress=bar, prefetch=0,
                            sizes=lambda n: base_ck.meta(n).nbytes, budget=largest(metas))
-                finish_model(writer, base_ck, stage, state_writer)
+                finish_model(writer, base_ck, stage, state_writer, untied=aliases != ties)
             except BaseException:
                 writer.abort()
                 raise
