@@ -27,6 +27,11 @@ def _fail(exc: Exception) -> NoReturn:
     sys.exit(EXIT_BAD_INPUT)
 
 
+def _report(doc: dict, as_json: bool, line: str) -> None:
+    """Print a command's result: the whole dict as JSON, or its one-line summary."""
+    click.echo(json.dumps(doc, indent=2) if as_json else line)
+
+
 @click.command("apply-patch")
 @click.argument("model_dir", type=click.Path())
 @click.argument("patch", type=click.Path())
@@ -44,12 +49,9 @@ def apply_patch_cmd(model_dir: str, patch: str, out: str, as_json: bool) -> None
         rep = apply_patch(model_dir, patch, out)
     except (PatchError, OSError) as exc:
         _fail(exc)
-    if as_json:
-        click.echo(json.dumps(rep, indent=2))
-    else:
-        click.echo(f"{rep['source_version'] or '?'} -> {rep['target_version'] or '?'}: {rep['out']} "
-                   f"({rep['tensors']} tensors: {rep['tensors_copied']} unchanged, {rep['tensors_sparse']} sparse, "
-                   f"{rep['tensors_dense']} dense, {rep['tensors_removed']} removed; sha256 {rep['target_sha256']})")
+    _report(rep, as_json, f"{rep['source_version'] or '?'} -> {rep['target_version'] or '?'}: {rep['out']} "
+            f"({rep['tensors']} tensors: {rep['tensors_copied']} unchanged, {rep['tensors_sparse']} sparse, "
+            f"{rep['tensors_dense']} dense, {rep['tensors_removed']} removed; sha256 {rep['target_sha256']})")
 
 
 @click.command("make-patch")
@@ -73,14 +75,9 @@ def make_patch_cmd(from_dir: str, to_dir: str, out: str, source_version: str | N
                             policy=policy)
     except (MergestreamError, OSError) as exc:
         _fail(exc)
-    if as_json:
-        click.echo(json.dumps(stats, indent=2))
-    else:
-        click.echo(f"{stats['path']}: {stats['patch_bytes']:,} bytes, {stats['ratio']:.2%} of the model "
-                   f"({stats['model_bytes']:,} bytes); "
-                   f"{stats['tensors_changed']} of {stats['tensors']} tensors changed "
-                   f"({stats['tensors_sparse']} sparse, {stats['tensors_dense']} dense), "
-                   f"{stats['tensors_removed']} removed")
+    _report(stats, as_json, f"{stats['path']}: {stats['patch_bytes']:,} bytes, {stats['ratio']:.2%} of the model "
+            f"({stats['model_bytes']:,} bytes); {stats['tensors_changed']} of {stats['tensors']} tensors changed "
+            f"({stats['tensors_sparse']} sparse, {stats['tensors_dense']} dense), {stats['tensors_removed']} removed")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

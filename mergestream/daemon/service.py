@@ -89,15 +89,16 @@ class Service:
             import torch
 
             torch.set_num_threads(self.cfg.torch_threads)
-        # the default sqlite store keeps its artifacts inside the state folder too (not in ./mlruns)
-        artifacts = None if self.cfg.mlflow.tracking_uri else (self.cfg.state_dir / "mlartifacts").resolve().as_uri()
-        self.tracker = Tracker(self.cfg.mlflow, self.cfg.tracking_uri(), self.ledger, self.metrics, self.store.current,
-                               artifact_location=artifacts)
         os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+        os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # not its database-setup lines in our log
         # a tracking outage must cost a fold seconds, not MLflow's minutes of HTTP retries: failed
         # calls go to the outbox and are retried by the loop instead
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+        # the default sqlite store keeps its artifacts inside the state folder too (not in ./mlruns)
+        artifacts = None if self.cfg.mlflow.tracking_uri else (self.cfg.state_dir / "mlartifacts").resolve().as_uri()
+        self.tracker = Tracker(self.cfg.mlflow, self.cfg.tracking_uri(), self.ledger, self.metrics, self.store.current,
+                               artifact_location=artifacts)
         logging.getLogger("apscheduler").setLevel(logging.WARNING)
         self.pipeline = Pipeline(self.cfg, self.store, self.ledger, self.metrics, self.tracker,
                                  stopping=self.stopping, still_available=self._registry_version_exists,
