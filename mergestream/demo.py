@@ -275,8 +275,12 @@ class _Demo:
             f"base STS: {base_vals['sts_spearman']:.2f}   " if "sts_spearman" in base_vals else "base STS: measuring…   ",
             f"elapsed {time.time() - self.t0:.0f}s")
         t = Table(expand=True, show_lines=False)
-        for col in ("expert", "build", "daemon", "ver", "STS (Δ vs current)", "task accuracies (%)", "decision / reason"):
-            t.add_column(col, overflow="fold")
+        # one line per expert (an 80x24 terminal shows the whole view): long cells end in "…", the
+        # summary prints every reason in full
+        for col, lo, hi in (("expert", 8, 16), ("state", 8, 10), ("ver", 3, 3), ("STS (Δ)", 7, 14),
+                            ("task acc. %", 8, 24), ("decision / reason", 8, None)):
+            t.add_column(col, overflow="ellipsis", no_wrap=True, min_width=lo, max_width=hi,
+                         ratio=1 if hi is None else None)
         for s in self.specs:
             r = rows.get(s.name)
             f = last_fold.get(s.name)
@@ -291,7 +295,8 @@ class _Demo:
             accs = " ".join(f"{k[4:]} {v:.0f}" for k, v in sorted(probes.items()) if k.startswith("acc."))
             reason = (f.get("reason") or "") if f else ""
             name = s.name + (" (harmful)" if s.name == self.harmful else "")
-            t.add_row(name, self.build[s.name], Text(status, style=style), str(r.version or "") if r else "",
+            state = Text(status, style=style) if r else Text(self.build[s.name])  # the daemon's, else the build's
+            t.add_row(name, state, str(r.version or "") if r else "",
                       sts, accs, Text((status if status in _FINAL else "") + (": " + reason if reason else ""), style=style))
         return Group(Panel(head), t)
 
