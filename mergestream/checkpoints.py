@@ -3,16 +3,19 @@
 Readers
     :func:`open_checkpoint` opens a dense checkpoint: a single ``.safetensors`` file, a Hugging Face
     model folder (single file or sharded with ``model.safetensors.index.json``), or a legacy
-    ``.bin``/``.pt`` file (only through ``torch.load(weights_only=True)``). Safetensors headers are
-    parsed by :mod:`mergestream.st` (a truncated file is refused at open) and tensors are read with
-    positional reads into memory the caller owns, so a tensor that has been used and dropped leaves
-    no resident pages behind: peak RSS stays at a few tensors whatever the model size.
+    ``.bin``/``.pt``/``.pth``/``.ckpt`` file (only through ``torch.load(weights_only=True, mmap=True)``;
+    training-checkpoint containers and wrapper prefixes are unwrapped by the rules of
+    :mod:`mergestream.input_formats`). Safetensors headers are parsed by :mod:`mergestream.st` (a
+    truncated file is refused at open) and tensors, legacy ones included, are read with positional
+    reads into memory the caller owns, so a tensor that has been used and dropped leaves no
+    resident pages behind: peak RSS stays at a few tensors whatever the model size.
     Experts (a dense checkpoint or a PEFT LoRA adapter, both seen as task vectors) are opened by
     :mod:`mergestream.expert_readers`, which also holds :func:`~mergestream.expert_readers.content_sha256`.
 
 Validation
     :func:`validate_against_base` checks keys, shapes and dtypes from the headers before any heavy
-    work, and (``deep``) frozen integer tensors and finiteness, raising the specific errors of
+    work (quantized checkpoints refused, known recomputed buffers an expert carries allowed), and
+    (``deep``) frozen integer tensors and finiteness, raising the specific errors of
     :mod:`mergestream.errors`. The engine does the deep checks on its own single pass instead.
 
 Writers live in :mod:`mergestream.writers`.
@@ -42,9 +45,18 @@ from .errors import (
     MissingKeyError,
     MissingShardError,
     NonFiniteError,
+    QuantizedCheckpointError,
     ShapeMismatchError,
     UnsupportedCheckpointError,
     VocabularyGrownError,
+)
+from .input_formats import (
+    QUANTIZED_ST_CODES,
+    check_not_quantized,
+    dropped_buffers,
+    mapped_locations,
+    unwrap_container,
+    wrapper_prefix,
 )
 
 log = logging.getLogger(__name__)
@@ -68,7 +80,7 @@ TORCH_TO_ST: dict[torch.dtype, str] = {v: k for k, v in ST_TO_TORCH.items()}
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-LEGACY_SUFFIXES = (".bin", ".pt", ".pth")
+LEGACY_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 DEFAULT_SHARD_BYTES = 5 * 1024**3
 
 _EMBEDDING_NAME = re.compile(r"(embed|wte|wpe|lm_head|shared\.weight$)")
@@ -142,12 +154,16 @@ class Checkpoint:
         self._metas = metas
         self._entries = entries
         self._legacy = legacy
+        #: where legacy tensors lie in their file ({name: (offset, span bytes)}), read positionally
+        self._legacy_at: dict[str, tuple[int, int]] = {}
         self._metadata = metadata or {}
         found = files if files is not None else [e.file for e in (entries or {}).values()]
         self.weight_files: list[Path] = sorted(set(found), key=lambda p: p.name)
         self._fds: dict[Path, int] = {}
         self._lock = threading.Lock()
         self._sha256: str | None = None
+        #: how a legacy file's tensors were found (container, stripped prefix); "" when as saved
+        self.unwrapped = ""
 
     # -- mapping-like surface ---------------------------------------------------------------
     def keys(self) -> list[str]:
@@ -199,17 +215,38 @@ class Checkpoint:
         """
         nbytes = out.numel()
         if self._entries is None:
-            flat = self._legacy[name].contiguous().reshape(-1).view(torch.uint8)
-            out.copy_(flat[start:start + nbytes])
+            if start + nbytes > self._metas[name].nbytes:
+                raise ValueError(f"{name}: read of bytes [{start}, {start + nbytes}) past {self._metas[name].nbytes}")
+            at = self._legacy_at.get(name)
+            if at is not None and self._legacy[name].is_contiguous():
+                self._pread(self.weight_files[0], out, at[0] + start)
+            else:
+                out.copy_(self._legacy_copy(name).reshape(-1).view(torch.uint8)[start:start + nbytes])
             return out
         e = self._entries[name]
         if start + nbytes > e.nbytes:
             raise ValueError(f"{name}: read of bytes [{start}, {start + nbytes}) past {e.nbytes}")
+        return self._pread(e.file, out, e.offset + start)
+
+    def _pread(self, f: Path, out: torch.Tensor, offset: int) -> torch.Tensor:
         try:
-            st.pread_into(self._fd(e.file), out.numpy(), e.offset + start, str(e.file))
+            st.pread_into(self._fd(f), out.numpy(), offset, str(f))
         except (st.FormatError, OSError) as exc:
-            raise _wrap_open_error(e.file, exc) from exc
+            raise _wrap_open_error(f, exc) from exc
         return out
+
+    def _legacy_copy(self, name: str) -> torch.Tensor:
+        """A legacy tensor in fresh contiguous memory: read positionally from its file when it lies
+        in the file's mapping (its mapped pages are never touched, so none stay resident), else a
+        copy of the in-memory tensor (an old-style pickle)."""
+        t = self._legacy[name]
+        at = self._legacy_at.get(name)
+        if at is None:
+            return t.clone(memory_format=torch.contiguous_format)
+        buf = self._pread(self.weight_files[0], torch.empty(at[1], dtype=torch.uint8), at[0]).view(t.dtype)
+        if t.is_contiguous():
+            return buf.reshape(t.shape)
+        return buf.as_strided(t.shape, t.stride()).contiguous()
 
     def get(self, name: str) -> torch.Tensor:
         """Read one tensor into fresh memory (CPU, stored dtype and shape), never shared with others.
@@ -220,9 +257,9 @@ class Checkpoint:
         """
         m = self._metas[name]
         if self._legacy is not None:
-            # a clone: legacy state dicts may tie several names to one storage, and callers
+            # a fresh copy: legacy state dicts may tie several names to one storage, and callers
             # compute in place in what they get
-            return self._legacy[name].clone()
+            return self._legacy_copy(name)
         buf = self.read_into(name, torch.empty(m.nbytes, dtype=torch.uint8))
         return buf.view(m.dtype).reshape(m.shape)
 
@@ -296,6 +333,9 @@ def _open_safetensors_files(path: Path, weight_map: dict[str, Path] | None,
         if metadata is None:
             metadata = hdr.metadata
         for e in hdr.entries:  # file (offset) order
+            if e.dtype not in ST_TO_TORCH and e.dtype.startswith(QUANTIZED_ST_CODES):
+                raise QuantizedCheckpointError(
+                    f"unsupported quantized checkpoint {f}: tensor {e.name!r} is stored as {e.dtype}")
             if e.dtype not in ST_TO_TORCH:
                 raise UnsupportedCheckpointError(f"{f}: tensor {e.name!r} has unsupported dtype {e.dtype}")
             if e.name in entries:
@@ -316,28 +356,56 @@ def open_safetensors_file(path: str | os.PathLike) -> Checkpoint:
     return _open_safetensors_files(p, None, [p])
 
 
-def _open_legacy(path: Path) -> Checkpoint:
+def _torch_load(path: Path) -> Any:
     try:
-        sd = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+        try:
+            return torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as exc:
+            if "mmap can only be used" not in str(exc):  # torch's words for a pre-zip pickle
+                raise
+            log.warning("legacy checkpoint %s: old-style pickle (no zip archive), loaded whole into memory; "
+                        "re-save it with torch.save or as safetensors to stream it", path)
+            return torch.load(str(path), map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises many types for pickles it refuses
         raise CorruptCheckpointError(
-            f"{path}: cannot load with torch.load(weights_only=True) ({type(exc).__name__}: {exc})"
+            f"{path}: cannot load with torch.load(weights_only=True) ({type(exc).__name__}: {exc}); only "
+            "tensors and plain containers are read: save the state dict alone (torch.save(model.state_dict()))"
         ) from exc
-    if isinstance(sd, dict) and "state_dict" in sd and isinstance(sd["state_dict"], dict):
-        sd = sd["state_dict"]
-    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
-        raise UnsupportedCheckpointError(f"{path}: not a flat state dict of tensors")
+
+
+def _open_legacy(path: Path, expect_keys: list[str] | None = None) -> Checkpoint:
+    fd = os.open(path, os.O_RDONLY)  # before the load: positional reads are from the file it maps
+    try:
+        sd, how = unwrap_container(_torch_load(path), path)
+    except BaseException:
+        os.close(fd)
+        raise
+    prefix = wrapper_prefix(list(sd), set(expect_keys or ()))
+    if prefix:
+        sd = {k[len(prefix):]: v for k, v in sd.items()}
+    said = "; ".join(([f"the state dict in {how}"] if how else []) +
+                     ([f"wrapper prefix {prefix!r} stripped from all {len(sd)} names"] if prefix else []))
+    if said:
+        log.info("legacy checkpoint %s: read %s", path, said)
     metas = {k: TensorMeta(k, tuple(v.shape), v.dtype) for k, v in sd.items()}
-    return Checkpoint(path, metas, legacy=dict(sd), files=[path])
+    ck = Checkpoint(path, metas, legacy=sd, files=[path])
+    ck._fds[path] = fd
+    ck._legacy_at = mapped_locations(os.fstat(fd), sd)
+    ck.unwrapped = said
+    return ck
 
 
-def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
+def open_checkpoint(path: str | os.PathLike, expect_keys: list[str] | None = None) -> Checkpoint:
     """Open a dense checkpoint lazily.
 
     Args:
         path: a ``.safetensors`` file, a Hugging Face model folder (``model.safetensors``, or
             ``model.safetensors.index.json`` with its shards, or a single other ``*.safetensors``),
-            or a legacy ``.bin``/``.pt``/``.pth`` state dict (loaded with ``weights_only=True``).
+            or a legacy ``.bin``/``.pt``/``.pth``/``.ckpt`` state dict (loaded with
+            ``weights_only=True``), possibly inside a training checkpoint's container (logged).
+        expect_keys: the base's tensor names, when opening an expert: a wrapper prefix on every
+            name of a legacy state dict is stripped when the base's names lack it (logged;
+            :func:`mergestream.input_formats.wrapper_prefix`).
 
     Returns:
         A :class:`Checkpoint`; no tensor data has been read.
@@ -346,7 +414,8 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
         FileNotFoundError: the path does not exist.
         MissingShardError: the index names a shard that is absent.
         CorruptCheckpointError: a file is truncated or its header is unreadable.
-        UnsupportedCheckpointError: nothing loadable was found.
+        UnsupportedCheckpointError: nothing loadable was found, or a legacy file holds no single
+            state dict of tensors. QuantizedCheckpointError: a safetensors dtype of a quantized format.
     """
     p = Path(path)
     if not p.exists():
@@ -355,8 +424,8 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
         if p.suffix == ".safetensors":
             return _open_safetensors_files(p, None, [p])
         if p.suffix in LEGACY_SUFFIXES:
-            return _open_legacy(p)
-        raise UnsupportedCheckpointError(f"{p}: not a .safetensors, .bin or .pt file")
+            return _open_legacy(p, expect_keys)
+        raise UnsupportedCheckpointError(f"{p}: not a .safetensors, .bin, .pt, .pth or .ckpt file")
     index = p / INDEX_NAME
     if index.exists():
         try:
@@ -375,7 +444,7 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
         return _open_safetensors_files(p, None, singles)
     for legacy in ("pytorch_model.bin", "model.pt", "model.bin"):
         if (p / legacy).is_file():
-            return _open_legacy(p / legacy)
+            return _open_legacy(p / legacy, expect_keys)
     raise UnsupportedCheckpointError(
         f"{p}: no model.safetensors, {INDEX_NAME}, single *.safetensors or pytorch_model.bin found")
 
@@ -401,26 +470,34 @@ def validate_against_base(base: Checkpoint, other: Any, *,
     (:class:`~mergestream.expert_readers.DenseExpert`) or a LoRA adapter, which checks its own
     factors (:meth:`~mergestream.expert_readers.LoraExpert.validate_against`).
 
-    Order of checks: key sets, then per tensor shape, dtype (headers only); then, with ``deep``, a
-    streaming pass that compares integer/bool tensors with θ₀ bit for bit and (``check_finite``)
-    rejects NaN/±Inf. The engine passes ``deep=False`` and does those checks on its own pass
-    (:func:`check_frozen`, :func:`check_finite_tensor`), so an expert is read once per fold.
+    Order of checks: neither side quantized (:func:`~mergestream.input_formats.check_not_quantized`),
+    key sets (an expert's extra tensors allowed only when they are known recomputed buffers,
+    :func:`~mergestream.input_formats.dropped_buffers`),
+    then per tensor shape, dtype (headers only); then, with ``deep``, a streaming pass that compares
+    integer/bool tensors with θ₀ bit for bit and (``check_finite``) rejects NaN/±Inf. The engine
+    passes ``deep=False`` and does those checks on its own pass (:func:`check_frozen`,
+    :func:`check_finite_tensor`), so an expert is read once per fold.
 
     Raises:
+        QuantizedCheckpointError: θ₀ or ``other`` is quantized (fp8, scales, packed weights).
         MissingKeyError, ExtraKeyError, ShapeMismatchError, VocabularyGrownError,
         DtypeMismatchError, FrozenTensorMismatchError, NonFiniteError: each names the tensor and
         both sides.
     """
-    where = str(other.path)
+    unwrapped = getattr(getattr(other, "ckpt", other), "unwrapped", "")
+    where = f"{other.path} (read: {unwrapped})" if unwrapped else str(other.path)
+    check_not_quantized(base, "base")
     if getattr(other, "is_adapter", False):  # a LoRA adapter checks its own factors (expert_readers)
         other.validate_against(base, role=role, check_finite=check_finite)
         return
-    base_keys, other_keys = set(base.keys()), set(other.keys())
+    check_not_quantized(other, role)
+    allowed = set(dropped_buffers(base, other)) if role == "expert" else set()
+    base_keys, other_keys = set(base.keys()), set(other.keys()) - allowed
     missing = [k for k in base.keys() if k not in other_keys]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise MissingKeyError(f"tensor {missing[0]} is in base {base.path} but missing from {role} {where}{more}")
-    extra = [k for k in other.keys() if k not in base_keys]
+    extra = [k for k in other.keys() if k not in base_keys and k not in allowed]
     if extra:
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
         raise ExtraKeyError(f"tensor {extra[0]} is in {role} {where} but not in base {base.path}{more}")

@@ -27,6 +27,16 @@ class UnsupportedCheckpointError(CheckpointError):
     """The path is not a format mergestream reads (or a LoRA variant it cannot represent)."""
 
 
+class QuantizedCheckpointError(UnsupportedCheckpointError):
+    """A quantized checkpoint (fp8 tensors, per-tensor scales, packed integer weights): its stored
+    codes are not weights, and merging them (or averaging a scale as a weight) would be wrong."""
+
+
+class ModifiedBaseAdapterError(UnsupportedCheckpointError):
+    """A PEFT adapter whose initialisation changed the base it was trained on (PiSSA, OLoRA,
+    CorDA, LoftQ, LoRA-GA, ...): ``scale · B @ A`` added to θ₀ is not the fine-tuned model."""
+
+
 class ValidationError(MergestreamError):
     """An expert or backbone does not fit the base θ₀ (raised before any heavy work)."""
 

@@ -22,6 +22,7 @@ import torch
 from .checkpoints import (
     Checkpoint,
     TensorMeta,
+    check_not_quantized,
     count_non_finite,
     file_sha256,
     is_embedding_name,
@@ -32,6 +33,7 @@ from .errors import (
     CorruptCheckpointError,
     ExtraKeyError,
     MissingShardError,
+    ModifiedBaseAdapterError,
     NonFiniteError,
     ShapeMismatchError,
     UnsupportedCheckpointError,
@@ -94,6 +96,63 @@ _LORA_UNSUPPORTED_FLAGS = {
     "layer_replication": "layer replication changes the architecture",
     "target_parameters": "LoRA on raw parameters (target_parameters) is not supported",
 }
+#: string ``init_lora_weights`` values that leave the base weights untouched (as do True and False)
+_BASE_KEEPING_INITS = ("gaussian", "eva", "orthogonal")
+#: ``init_lora_weights`` prefixes of initialisations that rewrite the base at init, and why
+_BASE_CHANGING_INITS = {
+    "pissa": "PiSSA moved the base's principal components into the adapter (W_res = W - B0 @ A0)",
+    "olora": "OLoRA moved a QR factor of the base into the adapter (W_res = W - scale * B0 @ A0)",
+    "corda": "CorDA moved context-oriented components of the base into the adapter (W_res = W - B0 @ A0)",
+    "lora_ga": "LoRA-GA subtracted its gradient-based initial product from the base (W - scale * B0 @ A0)",
+    "loftq": "LoftQ replaced the base by a quantized residual of it (Q(W - B0 @ A0))",
+}
+
+
+def check_adapter_init(cfg: dict, folder: Path) -> None:
+    """Refuse an adapter whose initialisation rewrote the base it was trained on.
+
+    PEFT's ``init_lora_weights`` of ``pissa``/``pissa_niter_N``, ``olora``, ``corda``, ``lora_ga``
+    and ``loftq`` subtract the adapter's initial product from the base weights (or quantize them),
+    so the fine-tuned model is that modified base plus ``scale · B @ A``, not θ₀ plus it. Allowed:
+    ``True``/``False``/``gaussian``/``eva``/``orthogonal`` (the base untouched), and adapters PEFT
+    converted with ``save_pretrained(path_initial_model_for_weight_conversion=...)`` (saved with
+    ``init_lora_weights: true``).
+
+    Raises:
+        ModifiedBaseAdapterError: naming the init method, for those and any value not known to
+            keep the base.
+    """
+    init = cfg.get("init_lora_weights", True)
+    key = init.lower() if isinstance(init, str) else ""
+    if init is True or init is False or key in _BASE_KEEPING_INITS:
+        return
+    why = next((w for k, w in _BASE_CHANGING_INITS.items() if key.startswith(k)),
+               "it is not known to leave the base weights unchanged")
+    raise ModifiedBaseAdapterError(
+        f"{folder}: unsupported adapter: init_lora_weights={init!r}: {why}, so the adapter was trained on a "
+        "modified base and scale*B@A added to the base is not the fine-tuned model. Convert it to a plain "
+        "LoRA first (PEFT: save_pretrained(..., path_initial_model_for_weight_conversion=...)) or merge it "
+        "with PEFT and fold the dense model")
+
+
+def pattern_value(patterns: dict, module: str, default):
+    """The value of the first key of ``patterns`` (a PEFT ``rank_pattern``/``alpha_pattern``, in
+    the config's order) that matches ``module``, else ``default``.
+
+    PEFT's own rule (``peft.utils.other.get_pattern_key``): key ``k`` matches module name ``m``
+    when ``re.match(rf"(.*\\.)?({k})$", m)``, so ``q_proj`` matches ``layers.0.attn.q_proj`` and
+    ``q_proj|v_proj`` is an alternation of whole trailing names; the first match wins.
+
+    Raises:
+        CorruptCheckpointError: a key is not a valid regular expression.
+    """
+    for key, value in patterns.items():
+        try:
+            if re.match(rf"(.*\.)?({key})$", module):
+                return value
+        except re.error as exc:
+            raise CorruptCheckpointError(f"adapter pattern key {key!r} is not a regular expression ({exc})") from exc
+    return default
 
 
 class LoraExpert:
@@ -102,12 +161,14 @@ class LoraExpert:
     For each target weight W (out × in): τ = scaling · B @ A with scaling = lora_alpha / r, or
     lora_alpha / √r with ``use_rslora`` (Kalajdzievski 2023, rsLoRA). ``fan_in_fan_out`` transposes
     the delta (Conv1D-style weights stored in × out); embedding adapters use τ = (B @ A)ᵀ. Weights
-    the adapter does not target have τ = 0. ``alpha_pattern`` and ``rank_pattern`` are honoured
-    (r is read from A's shape).
+    the adapter does not target have τ = 0. ``alpha_pattern`` and ``rank_pattern`` are matched
+    against the adapter's module names as PEFT matches them (:func:`pattern_value`).
 
     Raises:
         UnsupportedCheckpointError: DoRA, a non-LORA ``peft_type``, ``modules_to_save``, trained
             LoRA biases, conv LoRA, or any other variant that is not ``scale · B @ A``.
+        ModifiedBaseAdapterError: an initialisation that rewrote the base (:func:`check_adapter_init`).
+        CorruptCheckpointError: a module's ``lora_A`` rank is not the rank its config gives it.
     """
 
     def __init__(self, folder: Path, base_keys: list[str], base_meta):
@@ -128,6 +189,7 @@ class LoraExpert:
             raise UnsupportedCheckpointError(
                 f"{folder}: adapter has modules_to_save {cfg['modules_to_save']}: full module copies are "
                 "not a LoRA delta; merge them into a dense expert first")
+        check_adapter_init(cfg, folder)
         weights = folder / "adapter_model.safetensors"
         if not weights.is_file():
             legacy = folder / "adapter_model.bin"
@@ -141,6 +203,7 @@ class LoraExpert:
         self.use_rslora = bool(cfg.get("use_rslora", False))
         self.lora_alpha = float(cfg.get("lora_alpha", 8))
         self.alpha_pattern: dict[str, float] = cfg.get("alpha_pattern") or {}
+        self.rank_pattern: dict[str, int] = cfg.get("rank_pattern") or {}
         pairs: dict[str, dict[str, str]] = {}
         #: copies of base weights PEFT saves for targeted embeddings ({base key: adapter key});
         #: validation requires them to equal θ₀.
@@ -171,11 +234,15 @@ class LoraExpert:
             if len(a_shape) != 2:
                 raise UnsupportedCheckpointError(
                     f"{folder}: module {module!r} has a {len(a_shape)}-D LoRA matrix (conv LoRA is not supported)")
+            r = pattern_value(self.rank_pattern, module, cfg.get("r"))
+            if r is not None and int(r) != a_shape[0]:
+                raise CorruptCheckpointError(
+                    f"{folder}: module {module!r} has lora_A of rank {a_shape[0]} but its config gives r={r}")
             target = self._resolve(module + ".weight", base_set)
             if target is None:
                 raise ExtraKeyError(
                     f"LoRA target {module}.weight (adapter {folder}) has no matching tensor in the base")
-            self._targets[target] = kinds
+            self._targets[target] = {**kinds, "module": module}
         self._base_meta = base_meta
         self._sha: str | None = None
 
@@ -187,10 +254,8 @@ class LoraExpert:
         return hits[0] if len(hits) == 1 else None
 
     def _scaling(self, module: str, r: int) -> float:
-        alpha = self.lora_alpha
-        for pattern, value in self.alpha_pattern.items():
-            if re.fullmatch(rf"(.*\.)?{pattern}", module):
-                alpha = float(value)
+        """PEFT's scaling of ``module`` (the adapter's module name): alpha / r, or alpha / √r."""
+        alpha = float(pattern_value(self.alpha_pattern, module, self.lora_alpha))
         return alpha / math.sqrt(r) if self.use_rslora else alpha / r
 
     def adapter_meta(self, key: str) -> TensorMeta:
@@ -224,7 +289,7 @@ class LoraExpert:
             return torch.zeros(base.shape, dtype=torch.float32, device=base.device)
         a = self._ckpt.get(kinds["lora_A"]).to(base.device, torch.float32)
         b = self._ckpt.get(kinds["lora_B"]).to(base.device, torch.float32)
-        delta = (b @ a).mul_(self._scaling(name.rsplit(".", 1)[0], a.shape[0]))
+        delta = (b @ a).mul_(self._scaling(kinds["module"], a.shape[0]))
         if self.fan_in_fan_out or "embedding" in kinds:
             delta = delta.T.contiguous()
         return delta
@@ -248,9 +313,11 @@ class LoraExpert:
         Raises:
             VocabularyGrownError, ShapeMismatchError: a base-layer copy or a delta of another shape.
             UnsupportedCheckpointError: a saved base-layer copy differs from θ₀.
+            QuantizedCheckpointError: the adapter's own tensors are quantized (fp8, scales).
             NonFiniteError: a delta holds NaN or ±Inf.
         """
         where = str(self.path)
+        check_not_quantized(self._ckpt, f"{role} (LoRA adapter)")
         for name, key in self.base_layer_copies.items():
             want, got = base.meta(name), self.adapter_meta(key)
             if got.shape != want.shape:
@@ -283,10 +350,15 @@ def is_lora_adapter(path: str | os.PathLike) -> bool:
 
 
 def open_expert(path: str | os.PathLike, base: Checkpoint) -> DenseExpert | LoraExpert:
-    """Open an expert against its base θ₀: a dense checkpoint or a PEFT LoRA adapter folder."""
+    """Open an expert against its base θ₀: a dense checkpoint or a PEFT LoRA adapter folder.
+
+    A legacy pickle's wrapper prefix (``module.``, ``model.``) is stripped when θ₀'s names lack it
+    (:func:`~mergestream.checkpoints.open_checkpoint`). Raises what :class:`LoraExpert` and
+    :func:`~mergestream.checkpoints.open_checkpoint` raise.
+    """
     if is_lora_adapter(path):
         return LoraExpert(Path(path), base.keys(), base.meta)
-    return DenseExpert(open_checkpoint(path))
+    return DenseExpert(open_checkpoint(path, expect_keys=base.keys()))
 
 
 def content_sha256(path: str | os.PathLike) -> str:

@@ -186,7 +186,9 @@ class ExpertLoader:
 
     ``load(name)`` returns ``(expert tensor or None, prev)`` for the worker, or None for a tensor
     the worker skips (an alias tied in θ₀: written with its primary). LoRA experts have no dense
-    tensor to stream: the worker builds τ from the factors.
+    tensor to stream: the worker builds τ from the factors. Recomputed buffers the expert carries
+    and θ₀ lacks (``dropped``, allowed by validation) are logged once, never merged nor written;
+    when the content hash is computed on this pass their bytes are fed to it in order.
     """
 
     def __init__(self, exp, base: Checkpoint, aliases: dict[str, str], where: str, buffers: int = 0):
@@ -197,10 +199,34 @@ class ExpertLoader:
         #: set by the caller when θ₀ ties tensors that this fold writes untied (see kept_ties)
         self.untied = False
         self.where = where
-        self.names = self.reader.order() if self.dense else [n for n in canonical_order(base) if n not in aliases]
+        order = self.reader.order() if self.dense else []
+        self.dropped = [n for n in order if n not in base]
+        self.names = [n for n in order if n in base] if self.dense else \
+            [n for n in canonical_order(base) if n not in aliases]
+        #: dropped tensors read for the hash only: before each kept tensor, and after the last one
+        self._hash_only: dict[str, list[str]] = {}
+        self._trailing: tuple[str | None, list[str]] = (None, [])
+        if self.dropped:
+            log.warning("%s: dropping %d recomputed buffer(s) the base lacks (not merged, not written): %s",
+                        where, len(self.dropped), ", ".join(self.dropped))
+        if self.dropped and exp.ckpt.raw:  # a legacy pickle's hash is its file's: nothing to read
+            pending: list[str] = []
+            for n in order:
+                if n in base:
+                    self._hash_only[n], pending = pending, []
+                else:
+                    pending.append(n)
+            self._trailing = (self.names[-1], pending)
+
+    def _hash_dropped(self, names: list[str]) -> None:
+        for n in names:
+            self._drop(self.reader.read(n))
 
     def load(self, name: str):
+        self._hash_dropped(self._hash_only.pop(name, []))
         e = self.reader.read(name) if self.dense else None
+        if name == self._trailing[0]:
+            self._hash_dropped(self._trailing[1])
         if name in self.aliases:
             self._drop(e)
             return None

@@ -69,3 +69,49 @@ def test_fold_peak_rss_is_a_few_tensors(tmp_path, policy, params):
           f"largest tensor {largest / mib:.0f} MiB, model {total / mib:.0f} MiB")
     assert peak - baseline < 4 * largest, (peak - baseline) / largest
     assert (tmp_path / "out" / "model.safetensors.index.json").exists()
+
+
+LEGACY_ROWS = 1024  # 16 MiB per float32 tensor: 36 of them are 576 MiB
+
+
+def _as_legacy(folder, path, container):
+    """The same weights as a ``torch.save`` pickle: a flat state dict or a Lightning-style container
+    (``state_dict`` with every name under ``model.``)."""
+    from mergestream.checkpoints import read_state_dict
+
+    sd = read_state_dict(folder)
+    torch.save(sd if container == "flat" else {"epoch": 1, "state_dict": {f"model.{k}": v for k, v in sd.items()}},
+               path)
+    del sd
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which,suffix,container", [("expert", ".bin", "flat"), ("base", ".pt", "flat"),
+                                                    ("expert", ".ckpt", "lightning")])
+def test_fold_peak_rss_is_a_few_tensors_for_legacy_pickles(tmp_path, which, suffix, container):
+    """A legacy pickle is read tensor by tensor with positional reads into fresh memory: its mapped
+    pages are never made resident (nor privately copied), so a fold's peak is that of the same fold
+    on safetensors (within a tensor or two: no pooled read buffers), whatever the model size (R4)."""
+    largest = LEGACY_ROWS * COLS * 4
+
+    def models(tag, n, rows):
+        base = _write_model(tmp_path / f"{tag}base", 0, n, rows, COLS, 10**10)
+        expert = _write_model(tmp_path / f"{tag}expert", 1, n, rows, COLS, 10**10)
+        if which == "base":
+            return (base, expert), (_as_legacy(base, tmp_path / f"{tag}base{suffix}", container), expert)
+        return (base, expert), (base, _as_legacy(expert, tmp_path / f"{tag}expert{suffix}", container))
+
+    (st_base, st_expert), (base, expert) = models("", N_TENSORS, LEGACY_ROWS)
+    total = N_TENSORS * largest
+    _, (tiny_b, tiny_e) = models("tiny-", 3, 8)
+    params = {"lambda": 0.3}
+    baseline = _peak_rss(tiny_b, tiny_e, "task_arithmetic", params, tmp_path / "tiny-state", tmp_path / "tiny-out")
+    reference = _peak_rss(st_base, st_expert, "task_arithmetic", params, tmp_path / "st-state", tmp_path / "st-out")
+    peak = _peak_rss(base, expert, "task_arithmetic", params, tmp_path / "state", tmp_path / "out")
+    mib = 1024**2
+    print(f"{which}{suffix}: baseline {baseline / mib:.0f} MiB, safetensors {reference / mib:.0f} MiB, "
+          f"peak {peak / mib:.0f} MiB, largest tensor {largest / mib:.0f} MiB, model {total / mib:.0f} MiB")
+    assert peak - reference < 2 * largest, (peak - reference) / largest
+    assert peak - baseline < 6 * largest, (peak - baseline) / largest  # the model is 36 tensors
+    assert (tmp_path / "out" / "model.safetensors.index.json").exists()
