@@ -242,9 +242,13 @@ def run_cmd(config_path) -> None:
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
 @_fail_cleanly
 def status_cmd(config_path, as_json) -> None:
-    """Current version, queue and every expert's status."""
+    """Current version, queue, every expert's status, and what the sources report (a registered
+    model that does not exist, an inbox polled because inotify ran out, skipped versions)."""
+    import time
+
     from .config import load_config
     from .daemon.ledger import Ledger
+    from .daemon.sources.base import source_notes
     from .daemon.store import Store
 
     cfg = load_config(config_path)
@@ -252,15 +256,22 @@ def status_cmd(config_path, as_json) -> None:
     ledger = Ledger(cfg.state_dir / "ledger.sqlite")
     experts = [{"id": e.expert_id, "status": e.status, "source": e.source, "uri": e.uri, "version": e.version,
                 "reason": e.reason, "sha256": e.sha256} for e in ledger.experts()]
+    sources: dict[str, list[dict]] = {}
+    for n in source_notes(ledger):
+        sources.setdefault(n["source"], []).append({k: n.get(k) for k in ("subject", "level", "message", "since")})
     doc = {"current_version": store.current(), "versions": store.numbers(), "policy": cfg.policy.name,
            "queue_depth": ledger.queue_depth(), "daemon_running": store.is_locked(),
-           "tracking_pending": len(ledger.outbox()), "experts": experts}
+           "tracking_pending": len(ledger.outbox()), "experts": experts, "sources": sources}
     if as_json:
         click.echo(json.dumps(doc, indent=2))
         return
     current = doc["current_version"] if doc["current_version"] is not None else "none yet"
     click.echo(f"current version: {current}  (kept: {doc['versions']})  policy: {cfg.policy.name}  "
                f"daemon: {'running' if doc['daemon_running'] else 'stopped'}  queue: {doc['queue_depth']}")
+    for name, notes in sorted(sources.items()):
+        for n in notes:
+            since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(n["since"])) if n["since"] else "?"
+            click.echo(f"source {name} {n['level']}: {n['message']}  (since {since})")
     for e in experts:
         extra = f"  v{e['version']}" if e["version"] else ""
         reason = f"  ({e['reason']})" if e["reason"] else ""

@@ -2,13 +2,20 @@
 
 Every field is documented below; unknown keys are an error. Environment variables override the
 file for secrets and URIs: ``MERGESTREAM_<FIELD>`` and ``MERGESTREAM_<SECTION>__<FIELD>`` (e.g.
-``MERGESTREAM_MLFLOW__TRACKING_URI``, ``MERGESTREAM_MLFLOW__WEBHOOK__SECRET``). Relative paths are
-resolved against the config file's folder.
+``MERGESTREAM_MLFLOW__TRACKING_URI``, ``MERGESTREAM_MLFLOW__WEBHOOK__SECRET``).
+
+Relative paths are resolved against the config file's folder (never the working directory), whether
+written in the file, left at their default (``inbox``, ``state``) or given in the environment:
+``base``, ``inbox``, ``state_dir``, ``policy.ri.data``, the ``data`` file of every built-in probe,
+and the local stores of ``mlflow.tracking_uri`` / ``mlflow.registry.tracking_uri`` (``sqlite:///rel.db``,
+``file:rel``, a bare ``rel/mlruns``). ``~`` is expanded. An ``entrypoint`` probe's params are passed
+as written. A :class:`Config` built in code (not by :func:`load_config`) resolves nothing.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -120,6 +127,9 @@ class RegistryConfig(_Section):
     tracking_uri: str | None = Field(None, description="registry server; default: mlflow.tracking_uri")
     max_retries: int = Field(5, ge=0, description="download retries per version")
     backoff_seconds: float = Field(1.0, ge=0, description="first retry delay (s), doubled each time")
+    pending_timeout_seconds: float = Field(
+        3600.0, gt=0, description="a version PENDING_REGISTRATION longer than this (s, by the registry's "
+                                  "timestamps) is skipped with a warning, so later versions are not held forever")
 
 
 class WebhookConfig(_Section):
@@ -239,21 +249,55 @@ class Config(BaseSettings):
         return self.mlflow.tracking_uri or f"sqlite:///{(self.state_dir / 'mlflow.db').resolve()}"
 
 
-def _resolve(data: dict[str, Any], root: Path) -> dict[str, Any]:
-    def fix(d: dict[str, Any], key: str) -> None:
-        if isinstance(d.get(key), str) and not os.path.isabs(os.path.expanduser(d[key])):
-            d[key] = str((root / d[key]).resolve())
+def _local_path(value: str | os.PathLike, root: Path) -> Path:
+    """``value`` with ``~`` expanded, made absolute against ``root`` when relative."""
+    p = Path(os.path.expanduser(os.fspath(value)))
+    return p if p.is_absolute() else (root / p).resolve()
 
-    for key in ("base", "inbox", "state_dir"):
-        fix(data, key)
-    ri = (data.get("policy") or {}).get("ri") if isinstance(data.get("policy"), dict) else None
-    if isinstance(ri, dict):
-        fix(ri, "data")
-    return data
+
+_URI_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
+
+
+def _local_uri(uri: str | None, root: Path) -> str | None:
+    """An MLflow tracking URI whose local store is a relative path, made absolute against ``root``:
+    ``sqlite:///rel.db``, ``file:rel`` / ``file:./rel``, or a bare path. Other URIs (``http://``,
+    ``databricks``, absolute paths) are returned unchanged."""
+    if not uri:
+        return uri
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        rest, sep, query = uri[len("sqlite:///"):].partition("?")
+        if rest and rest != ":memory:":
+            return f"sqlite:///{_local_path(rest, root)}{sep}{query}"
+        return uri
+    if uri.startswith("file:") and not uri.startswith("file:/"):
+        return _local_path(uri[len("file:"):], root).as_uri()
+    if _URI_SCHEME.match(uri):
+        return uri
+    return str(_local_path(uri, root))
+
+
+def _resolve(cfg: Config, root: Path) -> Config:
+    """``cfg`` with every relative path resolved against ``root`` (the config file's folder); see
+    the module docstring for the fields. Applied after validation, so values from the file, the
+    defaults and the environment are treated alike."""
+    ri = cfg.policy.ri
+    policy = cfg.policy.model_copy(update={"ri": ri.model_copy(
+        update={"data": None if ri.data is None else _local_path(ri.data, root)})})
+    probes = [p if p.type == "entrypoint" or not isinstance(p.params.get("data"), (str, os.PathLike))
+              else p.model_copy(update={"params": {**p.params, "data": str(_local_path(p.params["data"], root))}})
+              for p in cfg.probes]
+    reg = cfg.mlflow.registry
+    mlflow = cfg.mlflow.model_copy(update={
+        "tracking_uri": _local_uri(cfg.mlflow.tracking_uri, root),
+        "registry": reg.model_copy(update={"tracking_uri": _local_uri(reg.tracking_uri, root)})})
+    return cfg.model_copy(update={"base": _local_path(cfg.base, root), "inbox": _local_path(cfg.inbox, root),
+                                  "state_dir": _local_path(cfg.state_dir, root), "policy": policy,
+                                  "probes": probes, "mlflow": mlflow})
 
 
 def load_config(path: str | os.PathLike) -> Config:
-    """Read and validate a YAML config; environment overrides win.
+    """Read and validate a YAML config; environment overrides win. Relative paths (written,
+    defaulted or from the environment) are resolved against the folder of ``path``.
 
     Raises:
         ConfigError: missing/unreadable file, YAML syntax, or validation errors (all listed).
@@ -268,10 +312,11 @@ def load_config(path: str | os.PathLike) -> Config:
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: the top level must be a mapping")
     try:
-        return Config(**_resolve(data, p.resolve().parent))
+        cfg = Config(**data)
     except ValidationError as exc:
         errs = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         raise ConfigError(f"{p}: {errs}") from None
+    return _resolve(cfg, p.resolve().parent)
 
 
 STARTER = """\
@@ -323,6 +368,7 @@ mlflow:
     enabled: false
     models: []                  # registered model names holding experts
     interval_seconds: 30
+    # pending_timeout_seconds: 3600   # skip a version stuck PENDING_REGISTRATION this long (s)
 
 # Probes run on every candidate before it is published. weight_space (data-free: relative_drift,
 # step_drift, general_subspace_energy, max_task_cosine) is always on. Data probes, e.g.:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -135,3 +137,86 @@ def test_metrics_server_binds_at_construction_and_stops_without_starting():
         MetricsServer(Metrics(), "127.0.0.1", srv.port)  # taken
     srv.stop()  # never started: returns at once
     srv.stop()
+
+
+# -- relative paths resolve against the config file's folder (N12) ------------------------------------
+def _deploy(tmp_path, text: str):
+    """``deploy/config.yaml`` holding ``text``, and an ``elsewhere/`` folder to run from."""
+    (tmp_path / "deploy").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    cfg = tmp_path / "deploy" / "config.yaml"
+    cfg.write_text(text)
+    return cfg, tmp_path / "deploy"
+
+
+def test_every_relative_path_resolves_against_the_config_folder_written_or_defaulted(tmp_path, monkeypatch):
+    cfg, d = _deploy(tmp_path, """\
+base: models/base.safetensors
+policy: {preprocess: [ri], ri: {data: aux.txt}}
+probes:
+  - {type: sentence_similarity, params: {data: data/sts.tsv}}
+  - {type: perplexity, params: {data: ./data/ppl.txt}}
+  - {type: entrypoint, params: {target: "pkg.mod:fn", data: as-written}}
+mlflow: {tracking_uri: "sqlite:///ml/mlflow.db", registry: {tracking_uri: "file:./mlruns"}}
+""")
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    c = load_config(cfg)
+    assert c.base == d / "models" / "base.safetensors"
+    assert c.inbox == d / "inbox" and c.state_dir == d / "state"  # defaults, not ./inbox and ./state
+    assert c.policy.ri.data == d / "aux.txt"
+    assert [p.params.get("data") for p in c.probes] == [None, str(d / "data" / "sts.tsv"), str(d / "data" / "ppl.txt"),
+                                                         "as-written"]  # an entrypoint's params are its own
+    assert c.mlflow.tracking_uri == f"sqlite:///{d / 'ml' / 'mlflow.db'}" == c.tracking_uri()
+    assert c.mlflow.registry.tracking_uri == (d / "mlruns").as_uri()
+    # the same config loaded from its own folder gives the same paths
+    monkeypatch.chdir(d)
+    assert load_config("config.yaml") == c
+
+
+def test_environment_overrides_resolve_against_the_config_folder_too(tmp_path, monkeypatch):
+    cfg, d = _deploy(tmp_path, "base: /abs/base.safetensors\n")
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    monkeypatch.setenv("MERGESTREAM_STATE_DIR", "var/state")
+    monkeypatch.setenv("MERGESTREAM_INBOX", "~/inbox")
+    monkeypatch.setenv("MERGESTREAM_MLFLOW__TRACKING_URI", "mlruns")
+    monkeypatch.setenv("MERGESTREAM_MLFLOW__REGISTRY__TRACKING_URI", "http://registry:5000")
+    c = load_config(cfg)
+    assert c.base == Path("/abs/base.safetensors")  # absolute stays as written
+    assert c.state_dir == d / "var" / "state"
+    assert c.inbox == Path(os.path.expanduser("~/inbox"))
+    assert c.mlflow.tracking_uri == str(d / "mlruns")
+    assert c.mlflow.registry.tracking_uri == "http://registry:5000"  # a server URI is not a path
+    assert c.tracking_uri() == str(d / "mlruns")
+    monkeypatch.delenv("MERGESTREAM_MLFLOW__TRACKING_URI")
+    assert load_config(cfg).tracking_uri() == f"sqlite:///{d / 'var' / 'state' / 'mlflow.db'}"
+
+
+def test_status_from_another_folder_reads_the_config_folders_state(tmp_path):
+    from .conftest import run_cli
+
+    cfg, d = _deploy(tmp_path, "base: base.safetensors\nmlflow: {enabled: false}\n")
+    Ledger(d / "state" / "ledger.sqlite").enqueue("e1", "folder", str(d / "inbox" / "e1"), "h1")
+    out = run_cli("status", "--config", cfg, "--json", cwd=tmp_path / "elsewhere").stdout
+    assert [e["id"] for e in json.loads(out)["experts"]] == ["e1"]
+    assert os.listdir(tmp_path / "elsewhere") == []  # no fresh state built beside the caller
+
+
+def test_ledger_keeps_source_notes_for_status(tmp_path):
+    from mergestream.daemon.sources import SourceContext, source_notes
+
+    led = Ledger(tmp_path / "l.sqlite")
+    ctx = SourceContext(cursors=led)
+    ctx.note("mlflow", "model:a", "registered model 'a' does not exist")
+    since = source_notes(led)[0]["since"]
+    ctx.note("mlflow", "model:a", "registered model 'a' does not exist")  # unchanged: keeps since
+    ctx.note("folder", "watch", "inbox polled", level="warning")
+    other = Ledger(tmp_path / "l.sqlite")  # what `status` opens
+    notes = source_notes(other)
+    assert [(n["source"], n["subject"], n["level"]) for n in notes] == [("folder", "watch", "warning"),
+                                                                          ("mlflow", "model:a", "error")]
+    assert notes[1]["since"] == since
+    ctx.note("mlflow", "model:a", None)
+    assert [n["source"] for n in source_notes(other)] == ["folder"]
+    ctx.clear_notes("folder")
+    assert source_notes(other) == [] and led.meta_items("source_note:") == {}
+    SourceContext(cursors=object()).note("x", "y", "kept nowhere")  # a context without a note store: a no-op

@@ -563,6 +563,41 @@ def test_registry_download_failure_is_retried_then_blocks_later_versions(registr
 
 
 @pytest.mark.slow
+def test_registry_download_cut_short_through_the_server_is_fetched_again(registry, tmp_path, quiet_mlflow,
+                                                                          monkeypatch):
+    """Proxied artifacts (``mlflow-artifacts:/``, listed over HTTP): the first download of each
+    version ends early without an error; both a folder version (odd) and a single-file version
+    (even) are fetched again and emitted whole; a poll that finds a cached copy cut short does too."""
+    import mlflow.artifacts
+
+    _register(registry["client"], registry["exp"], "expert-cut", 2, registry["tmp"], seed0=600)
+    real, calls = mlflow.artifacts.download_artifacts, []
+
+    def cut_first_download_of_each_version(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append(kwargs["artifact_uri"])
+        if calls.count(kwargs["artifact_uri"]) == 1:
+            for p in Path(kwargs["dst_path"]).rglob("*.safetensors"):
+                p.write_bytes(p.read_bytes()[:-7])
+        return out
+
+    monkeypatch.setattr(mlflow.artifacts, "download_artifacts", cut_first_download_of_each_version)
+    errors = []
+    src = RegistrySource(["expert-cut"], Collector(), last_version=lambda m: 0, cache_dir=tmp_path / "cache",
+                         tracking_uri=registry["uri"], max_retries=0, on_error=errors.append)
+    events = src.poll()
+    assert [e.registry_key for e in events] == ["mlflow:expert-cut:1", "mlflow:expert-cut:2"] and errors == []
+    assert len(calls) == 4 and all(expert_complete(Path(e.uri)) for e in events)
+    cached = next(Path(events[1].uri).parent.rglob("*.safetensors")) if Path(events[1].uri).is_dir() \
+        else Path(events[1].uri)
+    cached.write_bytes(cached.read_bytes()[:-1])
+    fresh = RegistrySource(["expert-cut"], Collector(), last_version=lambda m: 1, cache_dir=tmp_path / "cache",
+                           tracking_uri=registry["uri"], max_retries=0, on_error=errors.append)
+    assert [e.uri for e in fresh.poll()] == [events[1].uri] and errors == []
+    assert len(calls) == 5 and safetensors_complete(cached)
+
+
+@pytest.mark.slow
 def test_registry_tag_filter(registry, tmp_path, quiet_mlflow):
     _register(registry["client"], registry["exp"], "expert-tags", 5, registry["tmp"], seed0=200,
               tags=lambda i: {"team": "a" if i in (2, 5) else "b", "extra": str(i)})
@@ -786,6 +821,9 @@ def test_settled_files_that_can_never_be_experts_are_handed_on_not_left_unseen(i
     assert never_an_expert(inbox / "arriving.safetensors") is None
     assert never_an_expert(inbox / "notes.txt") and never_an_expert(inbox / "junk.safetensors")
     assert "bytes follow" in never_an_expert(inbox / "trailing.safetensors")
+    (inbox / "model.onnx").write_bytes(b"onnx")  # a weight format that is never folded
+    assert "not folded" in never_an_expert(inbox / "model.onnx")
+    (inbox / "model.onnx").unlink()
     got = Collector()
     started(FolderSource(inbox, got, settle_seconds=SETTLE))
     got.wait_for(3, timeout=10)

@@ -307,3 +307,8 @@ class Ledger:
         with self._tx() as db:
             db.execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = excluded.value",
                        (key, json.dumps(value)))
+
+    def meta_items(self, prefix: str) -> dict[str, Any]:
+        """Every meta value whose key starts with ``prefix`` (nulls left out), by key."""
+        rows = self._q("SELECT key, value FROM meta WHERE substr(key, 1, ?) = ? ORDER BY key", (len(prefix), prefix))
+        return {k: v for k, v in ((r[0], json.loads(r[1])) for r in rows) if v is not None}

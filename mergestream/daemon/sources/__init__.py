@@ -20,10 +20,25 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from . import folder, mlflow
-from .base import Cursors, Emit, ExpertReady, Source, SourceContext, SourceKind
-from .folder import RESCAN_SECONDS, FolderSource
-from .mlflow import RegistrySource
-from .mlflow_download import resolve_expert_path
+from .base import (
+    NOTE_PREFIX,
+    Cursors,
+    Emit,
+    ExpertReady,
+    NoteStore,
+    Source,
+    SourceContext,
+    SourceKind,
+    source_notes,
+)
+from .folder import RESCAN_SECONDS, FolderSource, inotify_exhausted
+from .mlflow import RegisteredModelMissing, RegistrySource, VersionSkipped
+from .mlflow_download import (
+    DownloadIncomplete,
+    artifact_listing,
+    resolve_expert_path,
+    verify_copy,
+)
 from .readiness import (
     MARKER_NAME,
     MARKER_SUFFIX,
@@ -75,29 +90,38 @@ __all__ = [
     "MARKER_NAME",
     "MARKER_SUFFIX",
     "MAX_BODY_BYTES",
+    "NOTE_PREFIX",
     "REGISTRY",
     "RESCAN_SECONDS",
     "TEMP_SUFFIXES",
     "Cursors",
+    "DownloadIncomplete",
     "Emit",
     "ExpertReady",
     "FolderSource",
+    "NoteStore",
+    "RegisteredModelMissing",
     "RegistrySource",
     "Source",
     "SourceContext",
     "SourceKind",
+    "VersionSkipped",
     "WebhookReceiver",
+    "artifact_listing",
     "build_sources",
     "expert_complete",
     "file_signature",
     "has_marker",
+    "inotify_exhausted",
     "is_temporary_name",
+    "never_an_expert",
     "resolve_expert_path",
     "safetensors_complete",
     "sign_webhook",
+    "source_notes",
     "still_available",
     "torch_file_complete",
+    "verify_copy",
     "verify_webhook",
-    "never_an_expert",
     "weight_file_complete",
 ]

@@ -8,16 +8,28 @@ Naming: a source's :attr:`Source.name` is its label in metrics (``source_errors{
 ``experts_seen{source=...}``) and in the ledger, and it prefixes the registry keys it emits
 (``"mlflow:<model>:<version>"``): the service asks the source named by a key's prefix whether that
 key is still available, and tells it when one of its events was enqueued.
+
+Notes: a source that cannot do its job as configured (a registered model that does not exist, the
+inbox polled because inotify ran out of watches) says so through :meth:`SourceContext.note`; the
+note is kept in the ledger's meta table (key ``source_note:<source>:<subject>``) and ``mergestream
+status`` shows it (:func:`source_notes`) until the source clears it or the daemon starts again.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from ...config import Config
+
+log = logging.getLogger(__name__)
+
+#: Prefix of the ledger meta keys that hold source notes: ``source_note:<source>:<subject>``.
+NOTE_PREFIX = "source_note:"
 
 
 @dataclass(frozen=True)
@@ -95,6 +107,29 @@ class Cursors(Protocol):
         ...
 
 
+class NoteStore(Protocol):
+    """Small durable key/value facts (the ledger's ``meta`` table), JSON values."""
+
+    def get_meta(self, key: str) -> Any:
+        """The value stored under ``key``, or None."""
+        ...
+
+    def set_meta(self, key: str, value: Any) -> None:
+        """Store ``value`` under ``key`` (None clears it)."""
+        ...
+
+    def meta_items(self, prefix: str) -> dict[str, Any]:
+        """Every non-null value whose key starts with ``prefix``."""
+        ...
+
+
+def source_notes(store: NoteStore) -> list[dict[str, Any]]:
+    """The notes sources left (see :meth:`SourceContext.note`), sorted by source and subject: dicts
+    with ``source``, ``subject``, ``level`` (``error`` | ``warning``), ``message`` and ``since``
+    (Unix time, seconds)."""
+    return [v for _, v in sorted(store.meta_items(NOTE_PREFIX).items()) if isinstance(v, dict)]
+
+
 @dataclass(frozen=True)
 class SourceContext:
     """What the service lends the sources it builds, besides the config and ``emit``.
@@ -103,10 +138,51 @@ class SourceContext:
         cursors: durable positions, e.g. the last registry version taken per model.
         on_error: called with the source's name and the error each time a source fails to poll,
             watch or download (the service counts ``source_errors{source=name}``).
+        notes: where :meth:`note` keeps what ``status`` shows; None: ``cursors`` when it keeps
+            notes too (the ledger does), else notes are only logged.
     """
 
     cursors: Cursors
     on_error: Callable[[str, Exception], None] = lambda name, exc: None
+    notes: NoteStore | None = None
+
+    def _note_store(self) -> NoteStore | None:
+        if self.notes is not None:
+            return self.notes
+        has = all(callable(getattr(self.cursors, m, None)) for m in ("get_meta", "set_meta", "meta_items"))
+        return self.cursors if has else None  # type: ignore[return-value]
+
+    def note(self, source: str, subject: str, message: str | None,
+             level: Literal["error", "warning"] = "error") -> None:
+        """Keep (or, with ``message=None``, clear) what ``status`` shows about ``subject`` of
+        ``source`` (e.g. ``"mlflow"``, ``"model:experts"``). An unchanged message keeps its
+        ``since``. Never raises (a store failure is logged)."""
+        store = self._note_store()
+        if store is None:
+            return
+        key = f"{NOTE_PREFIX}{source}:{subject}"
+        try:
+            old = store.get_meta(key)
+            if message is None:
+                if old is not None:
+                    store.set_meta(key, None)
+            elif not (isinstance(old, dict) and old.get("message") == message and old.get("level") == level):
+                store.set_meta(key, {"source": source, "subject": subject, "level": level, "message": message,
+                                     "since": time.time()})
+        except Exception:
+            log.warning("cannot store the status note %s", key, exc_info=True)
+
+    def clear_notes(self, source: str) -> None:
+        """Forget every note of ``source`` (its builder calls this: a new start describes itself
+        afresh). Never raises."""
+        store = self._note_store()
+        if store is None:
+            return
+        try:
+            for key in store.meta_items(f"{NOTE_PREFIX}{source}:"):
+                store.set_meta(key, None)
+        except Exception:
+            log.warning("cannot clear the status notes of %s", source, exc_info=True)
 
 
 #: Builds the sources one config section enables (none when it is disabled).

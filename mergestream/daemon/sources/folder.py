@@ -31,14 +31,25 @@ files are settled, and emits. A candidate found settled but incomplete leaves th
 an event touches it again. Every 30 s the checker also lists the inbox, in case an event was lost
 (e.g. an inotify queue overflow). :meth:`FolderSource.start` starts the observer first, then runs
 :meth:`FolderSource.scan` (what arrived while the daemon was down), then the checker.
+
+inotify limits: the per-user inotify instances (``fs.inotify.max_user_instances``) and watches
+(``fs.inotify.max_user_watches``) are shared by every process and container of a node running as
+the same uid. When the native observer cannot get an instance, or a watch for the inbox or for a
+folder that appears in it later (:func:`inotify_exhausted`: errno EMFILE, ENFILE, ENOSPC, ENOMEM),
+the source switches to watchdog's :class:`PollingObserver` (``poll_interval``) for the rest of its
+run: one warning, one ``on_error`` call (``mergestream_source_errors_total{source="folder"}``), a
+``status`` note, and a full inbox listing at once (events in the unwatched folder were lost). It
+never stops the daemon.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -63,6 +74,26 @@ log = logging.getLogger(__name__)
 
 #: How often the folder checker lists the whole inbox in case an event was lost (seconds).
 RESCAN_SECONDS = 30.0
+
+#: errno values of an exhausted inotify: instances (EMFILE), open files (ENFILE), watches (ENOSPC),
+#: kernel memory (ENOMEM).
+INOTIFY_LIMIT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOSPC, errno.ENOMEM})
+
+
+def inotify_exhausted(exc: BaseException) -> bool:
+    """True if ``exc`` says inotify ran out of instances or watches (see :data:`INOTIFY_LIMIT_ERRNOS`):
+    the case for falling back to polling, not for giving up."""
+    return isinstance(exc, OSError) and exc.errno in INOTIFY_LIMIT_ERRNOS
+
+
+def _discard_observer(observer) -> None:
+    """Stop a watchdog observer that may never have started (its threads are joined). Never raises."""
+    try:
+        observer.stop()
+        if observer.is_alive():
+            observer.join(timeout=10)
+    except Exception:  # pragma: no cover - best effort on a half-started observer
+        log.debug("stopping a half-started observer", exc_info=True)
 
 
 @dataclass
@@ -102,13 +133,21 @@ class FolderSource(Source):
             unchanged before it is ready.
         polling: use watchdog's ``PollingObserver`` (stat every ``poll_interval``) instead of the
             native observer: for NFS/SMB/FUSE mounts where inotify sees nothing.
-        poll_interval: seconds between polling snapshots (``polling=True`` only).
+        poll_interval: seconds between polling snapshots (``polling=True``, or after falling back).
+        on_error: called once with the OSError when inotify is exhausted and the source falls back
+            to polling; its own exceptions are logged and swallowed.
+        note: called with the ``status`` note while polling replaces inotify (None: no note).
+
+    Attributes:
+        fallback: why the inbox is polled although ``polling`` is false (the inotify error), or None.
     """
 
     name = "folder"
 
     def __init__(self, inbox: Path, emit: Emit, *, settle_seconds: float = 2.0,
-                 polling: bool = False, poll_interval: float = 1.0):
+                 polling: bool = False, poll_interval: float = 1.0,
+                 on_error: Callable[[Exception], None] | None = None,
+                 note: Callable[[str | None], None] | None = None):
         if settle_seconds < 0:
             raise ValueError(f"settle_seconds must be >= 0, got {settle_seconds}")
         if poll_interval <= 0:
@@ -126,7 +165,12 @@ class FolderSource(Source):
         self._pending: dict[str, _Candidate] = {}
         self._emitted: dict[str, Signature] = {}
         self._incomplete: dict[str, Signature] = {}  # settled but incomplete: recheck when it changes
+        self.on_error = on_error
+        self.note = note
+        self.fallback: str | None = None
         self._observer = None
+        self._observer_lock = threading.Lock()  # start/stop/switch of the observer
+        self._native_error: OSError | None = None  # a watch inotify refused, seen on watchdog's thread
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._last_rescan = 0.0
@@ -161,22 +205,21 @@ class FolderSource(Source):
     def start(self) -> None:
         """Start the observer, run :meth:`scan` (emits what is already ready), start the checker.
 
+        An exhausted inotify (see the module docstring) starts a polling observer instead.
+
         Raises:
             RuntimeError: already started.
-            OSError: the inbox cannot be created or watched.
+            OSError: the inbox cannot be created or watched (other than inotify's limits).
         """
         if self._observer is not None:
             raise RuntimeError("FolderSource already started")
-        from watchdog.observers import Observer
-        from watchdog.observers.polling import PollingObserver
-
         self.inbox.mkdir(parents=True, exist_ok=True)
         self._stopping.clear()
-        observer = PollingObserver(timeout=self.poll_interval) if self.polling else Observer()
-        observer.schedule(_InboxHandler(self), str(self.inbox), recursive=True)
-        observer.daemon = True
-        observer.start()
-        self._observer = observer
+        self.fallback, self._native_error = None, None
+        if self.note is not None:
+            self.note(None)
+        with self._observer_lock:
+            self._observer = self._start_observer()
         try:
             self.scan()
         except BaseException:
@@ -185,20 +228,114 @@ class FolderSource(Source):
         self._thread = threading.Thread(target=self._run, name=f"inbox-checker:{self.inbox.name}", daemon=True)
         self._thread.start()
         log.info("folder source started inbox=%s observer=%s settle_seconds=%.2f", self.inbox,
-                 type(observer).__name__, self.settle_seconds)
+                 type(self._observer).__name__, self.settle_seconds)
 
     def stop(self) -> None:
         """Stop the observer and the checker thread (waits for both; idempotent)."""
         self._stopping.set()
         self._wake.set()
-        if self._observer is not None:
-            self._observer.stop()
-            self._observer.join(timeout=10)
-            self._observer = None
+        with self._observer_lock:
+            observer, self._observer = self._observer, None
+        if observer is not None:
+            observer.stop()
+            observer.join(timeout=10)
         if self._thread is not None:
             self._thread.join(timeout=10)
             self._thread = None
         log.info("folder source stopped inbox=%s", self.inbox)
+
+    # -- observers ---------------------------------------------------------------------------
+    def _start_observer(self):
+        """A started observer on the inbox: polling when configured or when inotify is exhausted.
+
+        Raises:
+            OSError: the native observer failed for another reason, or polling cannot start.
+        """
+        if not self.polling:
+            try:
+                return self._start_native()
+            except OSError as exc:
+                if not inotify_exhausted(exc):
+                    raise
+                self._native_error = None
+                self._fall_back(exc)
+        return self._start_polling()
+
+    def _start_native(self):
+        from watchdog.observers import Observer
+
+        observer = Observer()  # inotify: raises OSError(EMFILE) when no instance is left
+        try:
+            self._report_refused_watches(observer)
+            observer.schedule(_InboxHandler(self), str(self.inbox), recursive=True)
+            observer.daemon = True
+            observer.start()  # raises OSError(ENOSPC) when the inbox itself cannot be watched
+        except BaseException:
+            _discard_observer(observer)
+            raise
+        return observer
+
+    def _start_polling(self):
+        from watchdog.observers.polling import PollingObserver
+
+        observer = PollingObserver(timeout=self.poll_interval)
+        observer.schedule(_InboxHandler(self), str(self.inbox), recursive=True)
+        observer.daemon = True
+        observer.start()
+        return observer
+
+    def _report_refused_watches(self, observer) -> None:
+        """Hear about watches inotify refuses later (a folder created in the inbox): watchdog's
+        inotify observer skips such a folder silently, so its ``add_callback`` is wrapped to record
+        the error (on watchdog's thread; :meth:`_run` then switches to polling). Observers without
+        that method (other platforms, other watchdog versions) are left as they are."""
+        fd = getattr(observer, "_inotify_fd", None)
+        add = getattr(fd, "add_callback", None)
+        if add is None:
+            return
+
+        def add_callback(*args, **kwargs):
+            try:
+                return add(*args, **kwargs)
+            except OSError as exc:
+                if inotify_exhausted(exc) and self._native_error is None:
+                    self._native_error = exc
+                    self._wake.set()
+                raise
+
+        fd.add_callback = add_callback
+
+    def _fall_back(self, exc: OSError) -> None:
+        """Say once (warning, ``on_error``, ``status`` note) that polling replaces inotify."""
+        self.fallback = f"{exc.strerror or exc} (errno {exc.errno})"
+        log.warning("inotify exhausted for inbox %s: %s; polling the inbox every %.1f s instead (raise "
+                    "fs.inotify.max_user_watches / max_user_instances, or set watch.polling: true)",
+                    self.inbox, self.fallback, self.poll_interval)
+        if self.note is not None:
+            self.note(f"inbox polled every {self.poll_interval:g} s ({self.fallback}); raise "
+                      "fs.inotify.max_user_watches / max_user_instances or set watch.polling: true")
+        if self.on_error is not None:
+            try:
+                self.on_error(exc)
+            except Exception:
+                log.exception("on_error callback failed")
+
+    def _switch_to_polling(self) -> None:
+        """Replace the native observer by a polling one after inotify refused a watch, then list
+        the whole inbox at the next pass (events inside the unwatched folder were lost)."""
+        with self._observer_lock:
+            exc, self._native_error = self._native_error, None
+            old = self._observer
+            if exc is None or old is None or self.fallback is not None or self._stopping.is_set():
+                return
+            self._fall_back(exc)
+            try:
+                self._observer = self._start_polling()
+            except OSError:
+                log.exception("cannot start polling inbox %s; keeping the inotify observer", self.inbox)
+                return
+        _discard_observer(old)
+        self._last_rescan = 0.0
 
     def _run(self) -> None:
         while not self._stopping.is_set():
@@ -207,6 +344,8 @@ class FolderSource(Source):
             if self._stopping.is_set():
                 break
             try:
+                if self._native_error is not None:
+                    self._switch_to_polling()
                 rescan = time.monotonic() - self._last_rescan >= RESCAN_SECONDS
                 self._check(rescan=rescan)
             except Exception:  # pragma: no cover - keep watching whatever happens
@@ -309,9 +448,13 @@ class FolderSource(Source):
 
 
 def build(cfg: Config, emit: Emit, context: SourceContext) -> list[Source]:
-    """The folder source of ``cfg.watch`` on ``cfg.inbox`` (none when ``watch.enabled`` is false)."""
+    """The folder source of ``cfg.watch`` on ``cfg.inbox`` (none when ``watch.enabled`` is false);
+    its inotify fallback is reported through ``context`` (``on_error``, the ``watch`` note)."""
+    name = FolderSource.name
+    context.clear_notes(name)
     w = cfg.watch
     if not w.enabled:
         return []
     return [FolderSource(cfg.inbox, emit, settle_seconds=w.settle_seconds, polling=w.polling,
-                         poll_interval=w.poll_interval)]
+                         poll_interval=w.poll_interval, on_error=lambda exc: context.on_error(name, exc),
+                         note=lambda message: context.note(name, "watch", message, level="warning"))]

@@ -8,19 +8,33 @@ walks the versions above the last one in integer order (9 before 10):
 
 * a tag filter mismatch is skipped (note: a tag set on an older version *after* a newer one was
   emitted is never seen: the cursor only moves forward);
-* ``PENDING_REGISTRATION`` stops the model for this poll (a later version must not overtake it);
-* ``FAILED_REGISTRATION`` is skipped with a warning;
-* ``READY`` is downloaded (:mod:`.mlflow_download`) and emitted; a download that still fails after
-  ``max_retries`` retries with exponential backoff (``backoff_seconds · 2^i``, capped at 60 s)
-  stops the model for this poll (``on_error`` is called; the next poll retries it);
+* ``PENDING_REGISTRATION`` stops the model for this poll (a later version must not overtake it),
+  until the version is older than ``pending_timeout_seconds`` (by the registry's
+  ``last_updated_timestamp``, else ``creation_timestamp``, else when this source first saw it): then
+  it is skipped like a failed one (if it turns READY before a later version was taken, it is still
+  taken; after that, never);
+* ``FAILED_REGISTRATION`` (or any other status that is not READY) is skipped. A skipped version is
+  warned about and passed to ``on_error`` once, not on every poll: the skipped versions above the
+  cursor are remembered in the ledger (cursor ``mlflow-skipped:<model>``), so also across restarts;
+* ``READY`` is downloaded (:mod:`.mlflow_download`: verified against the artifact listing) and
+  emitted; a download that still fails after ``max_retries`` retries with exponential backoff
+  (``backoff_seconds · 2^i``, capped at 60 s) stops the model for this poll (``on_error`` is called;
+  the next poll retries it);
 * a version deleted before it was folded (absent from the search, or gone when its download URI is
   asked for) is skipped with a log line.
+
+A registered model that does not exist (a typo in ``mlflow.registry.models``, or renamed) is an
+error on every poll: a warning naming the closest existing names, ``on_error``, and a ``status``
+note. Every other poll failure of a model (registry unreachable, download failed) is a note too,
+cleared by the model's next clean poll.
 
 Keys and cursor: each event's registry key is ``mlflow:<model>:<version>``; the cursor of a model is
 the ledger entry ``mlflow:<model>`` (the highest version enqueued), advanced by
 :meth:`RegistrySource.on_enqueued`. A poll starts above ``max(cursor, highest version this source
 emitted)``. Before a queued version is folded, :meth:`RegistrySource.still_available` (or
-:func:`version_exists` when no registry source runs) asks the registry whether it was deleted since.
+:func:`version_exists` when no registry source runs) asks the registry whether it was deleted since;
+the running source also checks the cached download against the artifact listing again and fetches
+it anew when it is not whole (so ``retry`` of a version rejected for a damaged copy downloads it).
 
 With ``mlflow.webhook.enabled`` the builder adds a :class:`~.webhook.WebhookReceiver` whose valid
 ``model_version.created`` events trigger an immediate poll; polling stays the source of truth.
@@ -28,8 +42,10 @@ With ``mlflow.webhook.enabled`` the builder adds a :class:`~.webhook.WebhookRece
 
 from __future__ import annotations
 
+import difflib
 import logging
 import threading
+import time
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
@@ -37,7 +53,7 @@ from typing import TYPE_CHECKING
 
 from ...errors import MergestreamError
 from .base import Cursors, Emit, ExpertReady, Source, SourceContext
-from .mlflow_download import VersionDeleted, VersionDownloads
+from .mlflow_download import VersionDeleted, VersionDownloads, is_not_found
 from .webhook import WebhookReceiver
 
 if TYPE_CHECKING:
@@ -72,6 +88,14 @@ def cursor_version(cursors: Cursors, model: str) -> int:
     return int(cursors.get_cursor(f"{NAME}:{model}", "0"))
 
 
+class RegisteredModelMissing(LookupError):
+    """A registered model named in ``mlflow.registry.models`` does not exist in the registry."""
+
+
+class VersionSkipped(Exception):
+    """A registry version that will not be taken (FAILED_REGISTRATION, or pending too long)."""
+
+
 def advance_cursor(cursors: Cursors, key: str) -> None:
     """Move the cursor of the key's model up to its version (never down; other keys: nothing)."""
     parsed = parse_key(key)
@@ -94,7 +118,7 @@ def _key_still_registered(key: str, client_factory) -> bool:
         client_factory().get_model_version(model, str(version))
         return True
     except Exception as exc:
-        if "RESOURCE_DOES_NOT_EXIST" in str(getattr(exc, "error_code", "")) or "not found" in str(exc).lower():
+        if is_not_found(exc) or "not found" in str(exc).lower():
             log.warning("skipping %s: version %s of %s was deleted from the registry", key, version, model)
             return False
         return True  # registry unreachable: fold what we already downloaded
@@ -144,9 +168,14 @@ class RegistrySource(Source):
         tag_filter: only versions whose tags include all these key/value pairs.
         max_retries: download retries after the first attempt.
         backoff_seconds: first retry delay in seconds; doubles each retry, capped at 60 s.
-        on_error: called with each error (registry unreachable, download failed after retries,
-            emit failed); its own exceptions are logged and swallowed.
-        cursors: where :meth:`on_enqueued` advances the model cursors (None: nowhere).
+        on_error: called with each error (registry unreachable, a registered model that does not
+            exist, download failed after retries, emit failed; once per skipped version); its own
+            exceptions are logged and swallowed.
+        cursors: where :meth:`on_enqueued` advances the model cursors and the skipped versions are
+            remembered (None: nowhere; skipped versions are then remembered while this source lives).
+        pending_timeout_seconds: seconds after which a PENDING_REGISTRATION version is skipped.
+        note: ``note(subject, message_or_None, level)`` keeps what ``status`` shows about a model
+            (subjects ``model:<name>``, ``skipped:<name>``); None: nothing is kept.
 
     Registry calls use MLflow's own HTTP retries (``MLFLOW_HTTP_REQUEST_MAX_RETRIES``, default 7
     with exponential backoff, ``MLFLOW_HTTP_REQUEST_TIMEOUT``): an unreachable server can hold one
@@ -162,7 +191,9 @@ class RegistrySource(Source):
                  cache_dir: Path, tracking_uri: str | None = None, registry_uri: str | None = None,
                  interval_seconds: float = 30.0, tag_filter: dict[str, str] | None = None,
                  max_retries: int = 5, backoff_seconds: float = 1.0,
-                 on_error: Callable[[Exception], None] | None = None, cursors: Cursors | None = None):
+                 on_error: Callable[[Exception], None] | None = None, cursors: Cursors | None = None,
+                 pending_timeout_seconds: float = 3600.0,
+                 note: Callable[[str, str | None, str], None] | None = None):
         if not models:
             raise ValueError("RegistrySource needs at least one registered model name")
         for m in models:
@@ -171,6 +202,8 @@ class RegistrySource(Source):
             raise ValueError(f"interval_seconds must be > 0, got {interval_seconds}")
         if max_retries < 0 or backoff_seconds < 0:
             raise ValueError("max_retries and backoff_seconds must be >= 0")
+        if pending_timeout_seconds <= 0:
+            raise ValueError(f"pending_timeout_seconds must be > 0, got {pending_timeout_seconds}")
         self.models = list(models)
         self.emit = emit
         self.last_version = last_version
@@ -183,8 +216,12 @@ class RegistrySource(Source):
         self.backoff_seconds = float(backoff_seconds)
         self.on_error = on_error
         self.cursors = cursors
+        self.pending_timeout_seconds = float(pending_timeout_seconds)
+        self.note = note
         self._client = None
         self._high: dict[str, int] = {}
+        self._skipped: dict[str, dict[int, str]] = {}    # per model: version -> why (above the cursor)
+        self._pending_seen: dict[tuple[str, int], float] = {}  # first sight of a pending version (Unix s)
         self._poll_lock = threading.Lock()
         self._stopping = threading.Event()
         self._again = threading.Event()      # a trigger arrived since the running poll started
@@ -269,8 +306,27 @@ class RegistrySource(Source):
     # -- what the service asks ----------------------------------------------------------------
     def still_available(self, registry_key: str) -> bool:
         """False only if the registry says the key's version was deleted (see :func:`version_exists`);
-        asked with a fresh client on the caller's thread. Never raises."""
-        return _key_still_registered(registry_key, self._new_client)
+        asked with a fresh client on the caller's thread. For a version of a followed model, the
+        cached download is then checked against the artifact listing and fetched again (one
+        attempt, no backoff) when it is not whole; a failure there is logged and passed to
+        ``on_error``, and the fold then judges what is in the cache. Never raises."""
+        if not _key_still_registered(registry_key, self._new_client):
+            return False
+        parsed = parse_key(registry_key)
+        if parsed is None or parsed[0] not in self.models:
+            return True
+        try:
+            self._downloads.fetch(*parsed, retries=0)
+        except VersionDeleted:
+            log.warning("skipping %s: the version was deleted from the registry", registry_key)
+            return False
+        except Exception as exc:
+            log.warning("cannot verify or fetch again the download of %s: %s: %s", registry_key,
+                        type(exc).__name__, exc)
+            self._error(exc)
+            self._note(f"model:{parsed[0]}", f"version {parsed[1]}: the cached copy could not be checked or "
+                                             f"fetched again: {type(exc).__name__}: {exc}")
+        return True
 
     def on_enqueued(self, ev: ExpertReady) -> None:
         """Advance the model's cursor to the enqueued version (see :func:`advance_cursor`)."""
@@ -295,6 +351,13 @@ class RegistrySource(Source):
             except Exception:
                 log.exception("on_error callback failed")
 
+    def _note(self, subject: str, message: str | None, level: str = "error") -> None:
+        if self.note is not None:
+            try:
+                self.note(subject, message, level)
+            except Exception:
+                log.exception("note callback failed")
+
     def poll(self) -> list[ExpertReady]:
         """One synchronous poll of every model; returns the events emitted, in order.
 
@@ -307,12 +370,71 @@ class RegistrySource(Source):
                 if self._stopping.is_set():
                     break
                 try:
-                    out.extend(self._poll_model(model))
+                    events, problem = self._poll_model(model)
+                    out.extend(events)
                 except Exception as exc:
                     log.warning("registry poll failed model=%s tracking_uri=%s: %s: %s", model,
                                 self.tracking_uri, type(exc).__name__, exc)
                     self._error(exc)
+                    problem = str(exc) if isinstance(exc, RegisteredModelMissing) else f"{type(exc).__name__}: {exc}"
+                self._note(f"model:{model}", problem)
         return out
+
+    def _check_model_exists(self, model: str) -> None:
+        """Raises :class:`RegisteredModelMissing` (naming the closest existing names) if the
+        registry has no registered model ``model``; other registry errors propagate."""
+        client = self._get_client()
+        try:
+            client.get_registered_model(model)
+            return
+        except Exception as exc:
+            if not is_not_found(exc):
+                raise
+        try:
+            names = [m.name for m in client.search_registered_models(max_results=self.PAGE_SIZE)]
+        except Exception:
+            names = []
+        close = difflib.get_close_matches(model, names, n=3, cutoff=0.5)
+        hint = f" (closest names there: {', '.join(map(repr, close))})" if close else ""
+        raise RegisteredModelMissing(f"registered model {model!r} does not exist in the registry at "
+                                     f"{self.registry_uri}{hint}: renamed or misspelt? fix mlflow.registry.models")
+
+    # -- versions that are skipped ---------------------------------------------------------------
+    def _skipped_of(self, model: str) -> dict[int, str]:
+        """The versions of ``model`` skipped so far and still above its cursor (loaded once from
+        the ledger cursor ``mlflow-skipped:<model>``)."""
+        if model not in self._skipped:
+            raw = self.cursors.get_cursor(f"{NAME}-skipped:{model}", "") if self.cursors is not None else ""
+            self._skipped[model] = {int(v): "skipped before" for v in (raw or "").split(",") if v.isdigit()}
+        return self._skipped[model]
+
+    def _skip(self, model: str, version: int, why: str) -> None:
+        """Skip ``version``: warned, counted (``on_error``) and noted the first time only."""
+        skipped = self._skipped_of(model)
+        if version in skipped:
+            log.debug("version still skipped model=%s version=%d: %s", model, version, why)
+            return
+        floor = int(self.last_version(model))
+        for v in [v for v in skipped if v <= floor]:
+            del skipped[v]  # the cursor has passed them: they can never come back
+        skipped[version] = why
+        if self.cursors is not None:
+            self.cursors.set_cursor(f"{NAME}-skipped:{model}", ",".join(map(str, sorted(skipped))))
+        msg = f"version {version} of registered model {model!r} skipped: {why}"
+        log.warning("%s", msg)
+        self._error(VersionSkipped(msg))
+        self._note(f"skipped:{model}", f"versions skipped: {', '.join(map(str, sorted(skipped)))} (latest: {msg})",
+                   "warning")
+
+    def _pending_too_long(self, model: str, mv) -> float | None:
+        """How long (s) the pending version ``mv`` has been pending if that exceeds
+        ``pending_timeout_seconds``, else None. By the registry's timestamps (ms), else by when this
+        source first saw it pending."""
+        v = int(mv.version)
+        stamp = getattr(mv, "last_updated_timestamp", None) or getattr(mv, "creation_timestamp", None)
+        since = stamp / 1000.0 if stamp else self._pending_seen.setdefault((model, v), time.time())
+        age = time.time() - since
+        return age if age > self.pending_timeout_seconds else None
 
     def _search(self, model: str, last: int) -> list:
         """Every non-deleted version of ``model`` above ``last`` (any status), all pages."""
@@ -341,9 +463,17 @@ class RegistrySource(Source):
                     continue
                 raise
 
-    def _poll_model(self, model: str) -> list[ExpertReady]:
+    def _poll_model(self, model: str) -> tuple[list[ExpertReady], str | None]:
+        """The events of one model's poll, and the problem that stopped it early (or None).
+
+        Raises:
+            RegisteredModelMissing: the model does not exist.
+            Exception: the registry could not be searched.
+        """
         last = max(int(self.last_version(model)), self._high.get(model, 0))
         versions = [mv for mv in self._search(model, last) if int(mv.version) > last]
+        if not versions:
+            self._check_model_exists(model)
         versions.sort(key=lambda mv: int(mv.version))
         present = {int(mv.version) for mv in versions}
         if present:
@@ -359,10 +489,15 @@ class RegistrySource(Source):
                 log.debug("version skipped by tag filter model=%s version=%d", model, v)
                 continue
             if mv.status == "PENDING_REGISTRATION":
-                log.info("version pending registration; later versions wait model=%s version=%d", model, v)
-                break
+                age = self._pending_too_long(model, mv)
+                if age is None:
+                    log.info("version pending registration; later versions wait model=%s version=%d", model, v)
+                    break
+                self._skip(model, v, f"PENDING_REGISTRATION for {age:.0f} s, over "
+                                     f"mlflow.registry.pending_timeout_seconds ({self.pending_timeout_seconds:g} s)")
+                continue
             if mv.status != "READY":
-                log.warning("version not READY (status=%s), skipped model=%s version=%d", mv.status, model, v)
+                self._skip(model, v, f"status {mv.status}")
                 continue
             try:
                 path, download_uri = self._downloads.fetch(model, v)
@@ -373,7 +508,7 @@ class RegistrySource(Source):
                 log.error("download failed after %d retries model=%s version=%d: %s: %s; later versions wait",
                           self.max_retries, model, v, type(exc).__name__, exc)
                 self._error(exc)
-                break
+                return out, f"version {v}: download failed: {type(exc).__name__}: {exc}"
             meta = {"mlflow.model": model, "mlflow.version": str(v), "mlflow.run_id": mv.run_id or "",
                     "mlflow.source": mv.source or "", "mlflow.download_uri": download_uri}
             meta.update({f"tag.{k}": str(val) for k, val in tags.items()})
@@ -384,11 +519,11 @@ class RegistrySource(Source):
             except Exception as exc:
                 log.exception("emit failed model=%s version=%d; later versions wait", model, v)
                 self._error(exc)
-                break
+                return out, f"version {v}: could not be queued: {type(exc).__name__}: {exc}"
             self._high[model] = v
             out.append(ev)
             log.info("expert ready source=mlflow id=%s uri=%s", ev.expert_id, ev.uri)
-        return out
+        return out, None
 
 
 def build(cfg: Config, emit: Emit, context: SourceContext) -> list[Source]:
@@ -398,6 +533,7 @@ def build(cfg: Config, emit: Emit, context: SourceContext) -> list[Source]:
     Raises:
         MergestreamError: the webhook is enabled without a secret.
     """
+    context.clear_notes(NAME)
     r = cfg.mlflow.registry
     if not (r.enabled and r.models):
         return []
@@ -406,7 +542,9 @@ def build(cfg: Config, emit: Emit, context: SourceContext) -> list[Source]:
                          cache_dir=cfg.state_dir / "cache", tracking_uri=uri, registry_uri=uri,
                          interval_seconds=r.interval_seconds, tag_filter=r.tag_filter or None,
                          max_retries=r.max_retries, backoff_seconds=r.backoff_seconds,
-                         on_error=lambda exc: context.on_error(NAME, exc), cursors=context.cursors)
+                         on_error=lambda exc: context.on_error(NAME, exc), cursors=context.cursors,
+                         pending_timeout_seconds=r.pending_timeout_seconds,
+                         note=lambda subject, message, level: context.note(NAME, subject, message, level))
     wh = cfg.mlflow.webhook
     if not wh.enabled:
         return [src]

@@ -12,6 +12,14 @@ folder); else its single entry, recursively (``runs:/<run>/expert`` downloads as
 ``<version>/expert``); else its single weight file; else the folder (the service's validation then
 rejects it with a reason). MLflow model *flavors* (``MLmodel`` + ``data/``) are not unpacked: log
 experts as plain artifacts.
+
+Verification: a download can end early without an error (a proxy or a store cutting the stream).
+Every copy is compared with the artifact listing of its URI (:func:`artifact_listing`: every file
+with its size in bytes; MLflow's listing carries no hashes, so sizes are what is compared, and a
+file whose size the store does not give is only checked to exist): a fresh download before it is
+renamed into the cache, and a cached copy each time it is reused. A copy that does not match
+(:class:`DownloadIncomplete`) is discarded and fetched again at once, up to :data:`REFETCHES` times,
+then it counts as a failed attempt of the ordinary retries.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import posixpath
 import re
 import shutil
 import threading
@@ -32,12 +41,80 @@ from .readiness import FILE_SUFFIXES, loadable_folder
 log = logging.getLogger(__name__)
 
 
+#: Fresh downloads made at once after a copy that does not match the artifact listing.
+REFETCHES = 2
+
+
 class VersionDeleted(Exception):
     """The model version no longer exists in the registry."""
 
 
-def _is_not_found(exc: Exception) -> bool:
-    return getattr(exc, "error_code", None) == "RESOURCE_DOES_NOT_EXIST"
+class DownloadIncomplete(Exception):
+    """A downloaded or cached copy does not match the artifact listing (a file missing or of
+    another size than listed)."""
+
+
+def is_not_found(exc: Exception) -> bool:
+    """True if an MLflow error says the thing asked for does not exist (``RESOURCE_DOES_NOT_EXIST``)."""
+    return "RESOURCE_DOES_NOT_EXIST" in str(getattr(exc, "error_code", ""))
+
+
+def artifact_listing(uri: str, *, tracking_uri: str | None, registry_uri: str | None) -> dict[str, int | None]:
+    """Every file of the artifact at ``uri`` as the store lists it: path relative to the artifact
+    (``""`` when the artifact is a single file) -> size in bytes, or None where the store gives no
+    size. ``{}`` when nothing is listed there.
+
+    Raises:
+        Exception: the store cannot be asked (MLflow's errors, network errors).
+    """
+    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+
+    repo = get_artifact_repository(uri, tracking_uri=tracking_uri, registry_uri=registry_uri)
+    out: dict[str, int | None] = {}
+
+    def walk(path: str | None) -> None:
+        for fi in repo.list_artifacts(path):
+            if fi.is_dir:
+                walk(fi.path)
+            else:
+                out[fi.path] = fi.file_size
+
+    walk(None)
+    if out:
+        return out
+    parent, _, name = uri.rstrip("/").rpartition("/")  # a single file lists as nothing: ask its folder
+    if parent and name:
+        prepo = get_artifact_repository(parent, tracking_uri=tracking_uri, registry_uri=registry_uri)
+        for fi in prepo.list_artifacts(None):
+            if not fi.is_dir and posixpath.basename(fi.path) == name:
+                return {"": fi.file_size}
+    return {}
+
+
+def verify_copy(local: Path, listing: dict[str, int | None], what: str) -> None:
+    """Check the local copy ``local`` (the file or folder a download produced) against ``listing``
+    (:func:`artifact_listing`): every listed file exists with the listed size.
+
+    Raises:
+        DownloadIncomplete: the listing is empty, or a file is missing or of another size (the
+            first few named, with both sizes in bytes).
+    """
+    if not listing:
+        raise DownloadIncomplete(f"{what}: the artifact listing names no files")
+    problems = []
+    for rel, size in sorted(listing.items()):
+        path = local / rel if rel else local
+        try:
+            have = path.stat().st_size if path.is_file() else None
+        except OSError:
+            have = None
+        if have is None:
+            problems.append(f"{rel or local.name} is missing")
+        elif size is not None and have != size:
+            problems.append(f"{rel or local.name} is {have} bytes, the listing says {size}")
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise DownloadIncomplete(f"{what}: {'; '.join(problems[:3])}{more}")
 
 
 def _safe_dirname(name: str) -> str:
@@ -84,6 +161,8 @@ class VersionDownloads:
         self.max_retries = int(max_retries)
         self.backoff_seconds = float(backoff_seconds)
         self.stopping = stopping
+        self._locks: dict[tuple[str, int], threading.Lock] = {}
+        self._locks_guard = threading.Lock()
 
     def model_dir(self, model: str) -> Path:
         """``cache_dir/<model as a safe folder name>``."""
@@ -97,28 +176,46 @@ class VersionDownloads:
                 for tmp in d.glob(".*.tmp-*"):
                     shutil.rmtree(tmp, ignore_errors=True)
 
-    def fetch(self, model: str, version: int) -> tuple[Path, str]:
-        """Download (with retries) or reuse the cached copy; returns (expert path, download URI).
+    def fetch(self, model: str, version: int, *, retries: int | None = None) -> tuple[Path, str]:
+        """Download (with retries) or reuse the cached copy, verified against the artifact listing
+        (a copy that does not match is discarded and fetched again); returns (expert path,
+        download URI). One fetch of a version at a time (the poll and the service's check).
+
+        Args:
+            retries: retries after the first attempt (None: ``max_retries``).
 
         Raises:
             VersionDeleted: the version is gone from the registry.
-            Exception: the last download error after ``max_retries`` retries.
+            Exception: the last error after the retries (:class:`DownloadIncomplete` when the
+                copies never matched the listing).
         """
-        attempt = 0
-        while True:
-            try:
-                return self._fetch_once(model, version)
-            except VersionDeleted:
-                raise
-            except Exception as exc:
-                if attempt >= self.max_retries or self.stopping.is_set():
+        retries = self.max_retries if retries is None else int(retries)
+        with self._locks_guard:
+            lock = self._locks.setdefault((model, version), threading.Lock())
+        with lock:
+            attempt = refetched = 0
+            while True:
+                try:
+                    return self._fetch_once(model, version)
+                except VersionDeleted:
                     raise
+                except DownloadIncomplete as exc:
+                    if refetched < REFETCHES and not self.stopping.is_set():
+                        refetched += 1
+                        log.warning("incomplete copy discarded, fetching model=%s version=%d again: %s",
+                                    model, version, exc)
+                        continue
+                    err: Exception = exc
+                except Exception as exc:
+                    err = exc
+                if attempt >= retries or self.stopping.is_set():
+                    raise err
                 delay = min(60.0, self.backoff_seconds * 2 ** attempt)
                 attempt += 1
                 log.warning("download attempt %d failed model=%s version=%d: %s: %s; retrying in %.1f s",
-                            attempt, model, version, type(exc).__name__, exc, delay)
+                            attempt, model, version, type(err).__name__, err, delay)
                 if self.stopping.wait(delay):
-                    raise
+                    raise err
 
     def _fetch_once(self, model: str, version: int) -> tuple[Path, str]:
         import mlflow.artifacts
@@ -127,22 +224,33 @@ class VersionDownloads:
         try:
             uri = client.get_model_version_download_uri(model, str(version))
         except Exception as exc:
-            if _is_not_found(exc):
+            if is_not_found(exc):
                 raise VersionDeleted() from exc
             raise
         if uri.startswith("models:/"):
             uri = self._resolve_models_uri(uri)
+        listing = artifact_listing(uri, tracking_uri=self.tracking_uri, registry_uri=self.registry_uri)
         final = self.model_dir(model) / str(version)
         if final.is_dir():
-            log.debug("cache hit model=%s version=%d path=%s", model, version, final)
-            return resolve_expert_path(final), uri
+            entries = [e for e in final.iterdir() if not e.name.startswith(".")]
+            try:
+                if len(entries) != 1:
+                    raise DownloadIncomplete(f"cached copy {final} holds {len(entries)} entries, not 1")
+                verify_copy(entries[0], listing, f"cached copy of {uri}")
+                log.debug("cache hit model=%s version=%d path=%s", model, version, final)
+                return resolve_expert_path(final), uri
+            except DownloadIncomplete as exc:
+                log.warning("cached copy discarded model=%s version=%d: %s; downloading it again", model, version, exc)
+                shutil.rmtree(final, ignore_errors=True)
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.parent / f".{version}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
-            mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(tmp),
-                                                tracking_uri=self.tracking_uri, registry_uri=self.registry_uri)
+            local = mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(tmp),
+                                                        tracking_uri=self.tracking_uri,
+                                                        registry_uri=self.registry_uri)
             if not any(f.is_file() for f in tmp.rglob("*")):
                 raise FileNotFoundError(f"downloading {uri} produced no files")
+            verify_copy(Path(local), listing, f"download of {uri}")
             try:
                 os.rename(tmp, final)
             except OSError:

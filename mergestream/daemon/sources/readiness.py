@@ -2,7 +2,7 @@
 
 Each *top-level* entry of an inbox is one candidate expert:
 
-* a single weight file ``NAME.safetensors``, ``NAME.bin``, ``NAME.pt`` or ``NAME.pth``;
+* a single weight file ``NAME.safetensors``, ``NAME.bin``, ``NAME.pt``, ``NAME.pth`` or ``NAME.ckpt``;
 * a folder: a Hugging Face model folder (``model.safetensors``, or ``model.safetensors.index.json``
   plus every shard it names, or one ``*.safetensors``, or a legacy ``pytorch_model.bin``/
   ``model.bin``/``model.pt``), or a PEFT adapter folder (``adapter_config.json`` +
@@ -36,7 +36,7 @@ from ...checkpoints import INDEX_NAME, SINGLE_NAME
 MARKER_NAME = "READY"
 MARKER_SUFFIX = ".READY"
 TEMP_SUFFIXES = (".tmp", ".part", ".partial", ".crdownload", ".incomplete")
-FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt")
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 LEGACY_FOLDER_WEIGHTS = ("pytorch_model.bin", "model.bin", "model.pt")
@@ -68,7 +68,8 @@ def never_an_expert(path: Path) -> str | None:
     """Why a settled inbox *file* can never become an expert however long it waits, or None when
     it may still be arriving (and for folders, which wait for their files or a marker).
 
-    Never an expert: a file that is not a weight file by its suffix (``notes.txt``); a
+    Never an expert: a file that is not a weight file by its suffix (``notes.txt``), or a weight
+    format that is not folded (``.onnx``, ``.gguf``, ...); a
     ``.safetensors`` file whose header length is beyond the format's limit (random bytes), whose
     header is all there but does not parse or validate, or which has bytes after its data. A
     file whose header or data is shorter than it says is still arriving. Never raises.
@@ -77,6 +78,8 @@ def never_an_expert(path: Path) -> str | None:
         return None
     if not path.name.lower().endswith(st.WEIGHT_SUFFIXES):
         return f"{path.name} is not a weight file ({', '.join(st.WEIGHT_SUFFIXES)})"
+    if not path.name.endswith(FILE_SUFFIXES):  # .h5, .msgpack, .onnx, .gguf: formats we do not fold
+        return f"{path.name}: this weight format is not folded (only {', '.join(FILE_SUFFIXES)})"
     if not path.name.endswith(".safetensors"):
         return None
     try:
