@@ -53,11 +53,16 @@ def unmerge(state_dir: str | os.PathLike, expert_id: str, mode: str, *, out: str
         fold restores the previous backbone byte for byte; removing an earlier one is within one
         unit in the last place of the storage dtype of θ − Δ_k; removing the only fold gives θ₀
         exactly. An approximation of "never merged" for policies whose later folds depended on
-        Δ_k (TIES, SAFE-Merge, OPCM): use ``replay`` for those.
+        Δ_k (TIES, SAFE-Merge, OPCM, MagMax; MDM-OC's later directions lost their overlap with
+        δ_k⊥): use ``replay`` for those.
         ``replay``: refold every other expert from its raw task vector, in the original order with
         its recorded parameters, starting from θ₀: the "never merged" model, byte for byte.
 
-    The state folder is updated to describe the new backbone (at ``out``).
+    The state folder is updated to describe the new backbone (at ``out``): the fold record of
+    ``expert_id`` goes (so the next fold's ``n_previous`` and coefficients are the remaining
+    ones') and each tensor's policy state drops it (:meth:`Policy.drop_from_state`). After
+    ``subtract`` of the most recent fold the state is the one before that fold, so the next fold
+    equals the fold that would have come without it (byte for byte where the backbone is).
 
     Raises:
         StateError: unknown expert, missing contribution, or (replay) an expert file that is gone.

@@ -142,8 +142,11 @@ def test_three_experts_arrive_and_each_is_folded_once(daemon, tmp_path):
     assert len(st["experts"]) == 3 and len(accepted) == 3  # the copy is the same expert, whichever came first
     assert accepted[0] == "e0" and accepted[1] in ("e1", "e1-again") and accepted[2] == "e2"
     hist = json.loads(run_cli("history", "--config", daemon.config, "--json").stdout)
-    assert [h["expert_id"] for h in hist] == [x["id"] for x in st["experts"]]
-    assert all(h["decision"] == "accepted" for h in hist) and [h["version"] for h in hist] == [1, 2, 3]
+    folds = [h for h in hist if h["kind"] == "fold"]
+    assert [h["expert_id"] for h in folds] == [x["id"] for x in st["experts"]]
+    assert all(h["decision"] == "accepted" for h in folds) and [h["version"] for h in folds] == [1, 2, 3]
+    dup = [h for h in hist if h["kind"] == "duplicate"]  # the copy is reported, not folded
+    assert len(dup) == 1 and dup[0]["decision"] == "rejected" and {dup[0]["expert_id"], accepted[1]} == {"e1", "e1-again"}
     assert daemon.metric("mergestream_current_version") == 3
     assert not list((tmp_path / "state" / "staging").iterdir())
     # the published backbone equals the offline task-arithmetic sum of the three experts

@@ -120,7 +120,7 @@ def _config(tmp: Path, **doc) -> Path:
     return path
 
 
-@pytest.mark.parametrize("what", ["not a model folder", "missing", "empty file", "probe data missing",
+@pytest.mark.parametrize("what", ["not a model folder", "missing", "empty file", "fp8 base", "probe data missing",
                                   "port taken"])
 def test_what_can_be_checked_at_start_is_refused_at_start(tmp_path, what):
     """`run` refuses in one line with exit 2 (and `init` refuses a base that is not a model),
@@ -140,6 +140,12 @@ def test_what_can_be_checked_at_start_is_refused_at_start(tmp_path, what):
     elif what == "empty file":
         (tmp_path / "empty.safetensors").write_bytes(b"")
         doc["base"] = str(tmp_path / "empty.safetensors")
+    elif what == "fp8 base":
+        import torch
+        from safetensors.torch import save_file
+
+        save_file({"w": torch.zeros(4, 4).to(torch.float8_e4m3fn)}, tmp_path / "fp8.safetensors")
+        doc["base"] = str(tmp_path / "fp8.safetensors")
     elif what == "probe data missing":
         doc["probes"] = [{"type": "sentence_similarity", "params": {"data": str(tmp_path / "nope.tsv")}}]
         expect = "probes"

@@ -10,6 +10,14 @@ ledger, ``fold.json``, Prometheus metrics, an MLflow run) by :meth:`Pipeline.con
 Pre-steps and data-driven extras of a fold: the RI pre-step (``policy.preprocess: [ri]``) and the
 coefficient search's probe objective (a policy whose ``searches_coefficients()`` is true) live in
 :mod:`.prestep`; the probes themselves in :mod:`.probes` (run through :class:`.probing.Prober`).
+
+An expert is folded from its kept copy in the state folder (:class:`.store.KeptExperts`), which the
+state manifest records, so replay never depends on the original staying where it arrived; kept
+copies of experts no kept version holds are removed after each attempt.
+
+The probe gauges show exactly the current version's probes (``mergestream_probe_value``) and the
+last probed candidate's (``mergestream_candidate_probe_value``): series of probes a version no
+longer has (a task unmerged or rolled back) are removed, see :func:`show_probe_values`.
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from prometheus_client import Gauge
 
 from .. import engine
 from ..config import Config
@@ -39,6 +49,16 @@ log = logging.getLogger("mergestream.service")
 
 #: rows registered with the one content hash say so (rows of older versions used a file hash)
 HASH_KEY, HASH_KIND = "mergestream.hash", "weights/1"
+
+
+def show_probe_values(gauge: Gauge, values: dict[str, float]) -> None:
+    """Make a ``probe``-labelled gauge export exactly ``values``: each is set, then every other
+    series is removed (set first, so a scrape never sees a current probe missing)."""
+    for k, v in values.items():
+        gauge.labels(probe=k).set(v)
+    shown = {s.labels["probe"] for m in gauge.collect() for s in m.samples}
+    for k in shown - set(values):
+        gauge.remove(k)
 
 
 @dataclass
@@ -105,7 +125,7 @@ class Pipeline:
         self.still_available = still_available
         self.tensor_delay = tensor_delay
         self.prober = Prober(cfg, ledger, store)
-        self.presteps = PreSteps(cfg, self.prober, self.heartbeat)
+        self.presteps = PreSteps(cfg, self.prober, self.heartbeat, store.kept)
 
     def heartbeat(self, *_: Any) -> None:
         """Called per tensor / RI step / objective evaluation: liveness, and a pending stop."""
@@ -129,13 +149,11 @@ class Pipeline:
             outcome = self._build_fold(att) or self.probe_and_gate(att)
         except StopRequested:
             shutil.rmtree(att.staging, ignore_errors=True)
-            self.presteps.drop(row.expert_id)
+            self.store.prune_kept()
             self.ledger.requeue_interrupted()
             log.warning("fold of %s abandoned: stop requested; it stays queued for the next start", row.expert_id)
             return "pending"
         self.conclude(att, outcome)
-        if outcome.decision != "accepted":
-            self.presteps.drop(row.expert_id)  # only an accepted expert's adapted copy is kept (for replay)
         return outcome.decision
 
     def _build_fold(self, att: Attempt) -> Outcome | None:
@@ -149,6 +167,10 @@ class Pipeline:
             return Outcome("rejected", "the registry version was deleted before it was folded", "validation")
         try:
             src = self.presteps.adapt(row, att) if "ri" in pol.preprocess else row.uri
+            raw = Path(src) == Path(row.uri)
+            if raw:  # fold (and record for replay) the kept copy, whatever becomes of the original
+                src = str(self.store.kept.keep(row.uri, row.expert_id))
+                att.candidate_expert = Path(src) if Path(src).is_dir() else None
             objective = self.presteps.objective(att.candidate_expert) if pol.make().searches_coefficients() else None
             self.store.carry_state(att.staging / "state")
             delay = self.tensor_delay
@@ -160,7 +182,7 @@ class Pipeline:
 
             # the ledger's hash is the one the fold computes on its own pass: an expert changed since
             # it was registered is refused (unless RI replaced it with its adapted copy)
-            checked = src == row.uri and row.metadata.get(HASH_KEY) == HASH_KIND
+            checked = raw and row.metadata.get(HASH_KEY) == HASH_KIND
             rep = engine.fold(self.cfg.base, backbone, src, pol.name, pol.params, state_dir=att.staging / "state",
                               out=att.staging / "model", expert_id=row.expert_id, device=self.cfg.device,
                               threads=self.cfg.fold_threads, max_shard_bytes=self.cfg.max_shard_bytes,
@@ -223,9 +245,9 @@ class Pipeline:
             att.timings["probe_seconds"] = time.time() - tp
         except Exception as exc:
             log.exception("probes failed")
+            show_probe_values(self.metrics.candidate_probe_value, {})
             return Outcome("failed", f"probes failed: {type(exc).__name__}: {exc}")
-        for k, v in values.items():
-            self.metrics.candidate_probe_value.labels(probe=k).set(v)
+        show_probe_values(self.metrics.candidate_probe_value, values)
         base_values = self.ledger.get_meta("base_probes")
         decision = gate.evaluate(self.cfg.gate.rules, values, self.prober.current(),
                                  base_values["values"] if base_values else None, self.ledger.accepted_probe_history())
@@ -248,6 +270,7 @@ class Pipeline:
         self.metrics.fold_duration.labels(policy=pol).observe(seconds)
         self._track(att, outcome, version, patch_path)
         self.refresh_gauges()
+        self.store.prune_kept()  # after retention: what no kept version holds any more
         return version
 
     def _publish(self, att: Attempt, outcome: Outcome, seconds: float) -> tuple[int, Path | None]:
@@ -268,8 +291,7 @@ class Pipeline:
             if att.candidate_expert is not None:
                 self.prober.keep_task_probe(att.expert_id, att.candidate_expert)
         self.metrics.last_success.set(time.time())
-        for k, v in outcome.probes.items():
-            self.metrics.probe_value.labels(probe=k).set(v)
+        self.show_current_probes()
         removed = self.store.retain(self.cfg.retention)
         if removed:
             log.info("retention removed versions %s", removed)
@@ -321,6 +343,11 @@ class Pipeline:
         self.tracker.submit("fold", payload)
         if version is not None:
             self.tracker.submit("alias", {})
+
+    def show_current_probes(self) -> None:
+        """``mergestream_probe_value``: exactly the probes recorded for the current version (none
+        before the first); after a publish, a rollback and at start."""
+        show_probe_values(self.metrics.probe_value, self.prober.current() or {})
 
     def refresh_gauges(self) -> None:
         """Current version and queue depth gauges from the store and the ledger."""

@@ -2,14 +2,14 @@
 (``policy.preprocess: [ri]``), and the probe objective of a policy that searches its coefficients.
 
 RI: Resolving Interference (METHODS.md, "RI"), :func:`mergestream.ri.adapt_expert`. The adapted
-copy is kept under ``state_dir/ri/<expert>`` while the expert is in the backbone, so replay can
-re-read it.
+copy is written to ``state_dir/ri/<expert>``, the RI home of :class:`.store.KeptExperts` (the one
+place that keeps an accepted expert's files for replay, and removes them once no kept version
+holds the expert).
 """
 
 from __future__ import annotations
 
 import logging
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +23,7 @@ from .ledger import ExpertRow
 from .objective import ProbeObjective
 from .probes import SentenceSimilarityProbe, discover_task_probe
 from .probing import Prober
+from .store import KeptExperts
 
 log = logging.getLogger("mergestream.service")
 
@@ -43,18 +44,16 @@ class PreSteps:
         cfg: the daemon's config. prober: the daemon's probes (task heads, general probe).
         heartbeat: called per RI step and objective evaluation; raises :class:`StopRequested`
             once a stop was asked.
+        kept: where accepted experts' files are kept (default: the state folder's).
     """
 
-    def __init__(self, cfg: Config, prober: Prober, heartbeat: Callable[..., None]):
+    def __init__(self, cfg: Config, prober: Prober, heartbeat: Callable[..., None], kept: KeptExperts | None = None):
         self.cfg, self.prober, self.heartbeat = cfg, prober, heartbeat
+        self.kept = kept or KeptExperts(cfg.state_dir)
 
     def ri_dir(self, expert_id: str) -> Path:
-        """Where an expert's RI-adapted copy is kept."""
-        return self.cfg.state_dir / "ri" / expert_id
-
-    def drop(self, expert_id: str) -> None:
-        """Remove an expert's adapted copy (it was not accepted, or was interrupted)."""
-        shutil.rmtree(self.ri_dir(expert_id), ignore_errors=True)
+        """Where an expert's RI-adapted copy is kept (``state_dir/ri/<expert>``)."""
+        return self.kept.dir(expert_id, "ri")
 
     def adapt(self, row: ExpertRow, att: Any) -> str:
         """Adapt the expert with RI; returns the path to fold (the adapted copy, or the expert

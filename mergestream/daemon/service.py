@@ -23,6 +23,7 @@ from ..checkpoints import open_checkpoint
 from ..config import Config, ConfigError
 from ..errors import CheckpointError, MergestreamError
 from ..expert_readers import content_sha256
+from ..input_formats import check_not_quantized
 from .ledger import Ledger
 from .metrics import Metrics, MetricsServer
 from .pipeline import HASH_KEY, HASH_KIND, Pipeline
@@ -83,6 +84,7 @@ class Service:
         self.ledger = Ledger(self.cfg.state_dir / "ledger.sqlite")
         stale = self.store.clean_staging()
         requeued = self.ledger.requeue_interrupted()
+        self.store.prune_kept()  # kept experts of folds a crash interrupted (folded again from the queue)
         if stale or requeued:
             log.warning("resumed after an interruption: removed %d staging folder(s), re-queued %s", stale, requeued)
         if self.cfg.torch_threads:
@@ -104,6 +106,7 @@ class Service:
                                  stopping=self.stopping, still_available=self._registry_version_exists,
                                  tensor_delay=float(os.environ.get("MERGESTREAM_FOLD_DELAY_SECONDS", "0") or 0))
         self.pipeline.refresh_gauges()
+        self.pipeline.show_current_probes()
         self.metrics.beat()
         self.metrics.up.set(1)
         try:  # probes that cannot be built (unknown type, missing data file) are a config error
@@ -131,14 +134,16 @@ class Service:
         """The base θ₀ opens as a checkpoint and holds tensors (headers only; nothing is loaded).
 
         Raises:
-            ConfigError: it does not (the daemon refuses to start rather than fail every expert).
+            ConfigError: it does not, or it is quantized (the daemon refuses to start rather than
+                fail every expert).
         """
         try:
             with open_checkpoint(self.cfg.base) as ck:
                 if not ck.keys():
                     raise ConfigError(f"base {self.cfg.base}: the checkpoint holds no tensors")
+                check_not_quantized(ck, "base")
         except (CheckpointError, FileNotFoundError, NotADirectoryError) as exc:
-            raise ConfigError(f"base {self.cfg.base} is not a model: {exc}") from None
+            raise ConfigError(f"base {self.cfg.base} cannot be used: {exc}") from None
 
     def _start_sources(self) -> None:
         ctx = SourceContext(cursors=self.ledger,
@@ -264,7 +269,8 @@ class Service:
 
         Expert status follows what that version contains: an expert in it is ``accepted`` (also
         one that an earlier rollback or unmerge had taken out), an accepted expert not in it
-        becomes ``unmerged``. Rejected, failed and queued experts are left as they are.
+        becomes ``unmerged``. Rejected, failed and queued experts are left as they are. The probe
+        gauges then show exactly that version's probes.
         """
         if version not in self.store.numbers():
             raise MergestreamError(f"version {version} does not exist (kept: {self.store.numbers()})")
@@ -278,9 +284,7 @@ class Service:
                 self.ledger.set_status(row.expert_id, "unmerged", f"rolled back to version {version}")
         self.ledger.record_fold("rollback", None, self.cfg.policy.name, {"from": before, "to": version}, time.time(),
                                 0.0, {}, {}, "accepted", f"operator rollback {before} -> {version}", version)
-        probes = self.store.fold_json(version).get("probes", {})
-        for k, v in probes.items():
-            self.metrics.probe_value.labels(probe=k).set(v)
+        self.pipeline.show_current_probes()  # exactly version N's probes: no series of tasks it lacks
         self.tracker.submit("alias", {})
         self.metrics.operator_rollbacks.inc()
         self.pipeline.refresh_gauges()

@@ -7,6 +7,8 @@ Layout under the state folder::
     versions/000001/fold.json     what produced it: expert, policy, parameters, probes, decision
     current -> versions/000001    symlink, switched with rename(2) + fsync of the folder
     staging/<name>/               candidates being built; removed at start-up (stale after a crash)
+    experts/<id>/<name>           every accepted expert as it arrived (:class:`KeptExperts`)
+    ri/<id>/                      an accepted expert's RI-adapted copy (:mod:`.prestep`)
     daemon.lock                   one daemon per state folder (filelock, exclusive)
 
 Policy state is carried from version to version as hard links (state files are immutable once
@@ -15,6 +17,7 @@ written; the manifest is replaced, never edited), so a fold copies no tensor dat
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -25,9 +28,9 @@ from typing import Any
 
 from filelock import FileLock, Timeout
 
+from ..errors import MergestreamError, StateError
 from ..st import fsync_dir
 from ..state import StateDir
-from ..errors import MergestreamError
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,7 @@ class Store:
         self.versions_dir = self.root / "versions"
         self.staging_dir = self.root / "staging"
         self.current_link = self.root / "current"
+        self.kept = KeptExperts(self.root)
         self._lock: FileLock | None = None
 
     # -- locking ----------------------------------------------------------------------------------
@@ -178,3 +182,123 @@ class Store:
         for n in doomed:
             shutil.rmtree(self.path(n), ignore_errors=True)
         return doomed
+
+    def experts_in_versions(self) -> set[str] | None:
+        """The ids of the experts some kept version holds (its state manifest's fold records, what
+        its replay refolds); None when a manifest cannot be read (then nothing may be pruned)."""
+        ids: set[str] = set()
+        for n in self.numbers():
+            try:
+                ids.update(StateDir(self.path(n) / "state").manifest.ids())
+            except StateError as exc:
+                log.warning("version %d: %s; kept experts are not pruned", n, exc)
+                return None
+        return ids
+
+    def prune_kept(self) -> list[str]:
+        """Remove the kept files of experts no kept version holds (see :class:`KeptExperts`);
+        returns their ids."""
+        wanted = self.experts_in_versions()
+        return [] if wanted is None else self.kept.prune(wanted)
+
+
+class KeptExperts:
+    """What replay needs of each accepted expert, kept inside the state folder: a rename or a
+    deletion where the expert arrived (the inbox, a registry cache) never breaks an unmerge.
+
+    ``experts/<id>/<name>`` holds the expert as it arrived, under its own name: a hard link of the
+    file, or of each file of a folder expert (subfolders kept), when it is on the state folder's
+    filesystem, else a copy. ``ri/<id>/`` holds the RI pre-step's adapted copy (written by
+    :mod:`.prestep`). The daemon folds from the kept path, so what is kept is what was folded (its
+    content hash is checked on the fold's own pass) and the state manifest records that path.
+    Files stay while some kept version holds the expert (:meth:`Store.prune_kept`).
+
+    A hard link shares its bytes with the original: editing the original in place (rather than
+    replacing it) changes the kept copy too; replay's content-hash check then refuses it.
+    """
+
+    KINDS = ("experts", "ri")
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+
+    def dir(self, expert_id: str, kind: str = "experts") -> Path:
+        """``<state>/<kind>/<expert_id>``: where an expert's kept files live."""
+        return self.root / kind / expert_id
+
+    def keep(self, src: str | os.PathLike, expert_id: str) -> Path:
+        """Link or copy the expert at ``src`` (a file or a folder) into ``experts/<id>/``, or reuse
+        the copy already kept for this id (an id names one content: a retried expert whose
+        original is gone still folds). The copy appears complete or not at all (built in a hidden
+        folder, fsynced, renamed).
+
+        Returns:
+            The kept path: ``experts/<id>/<src's name>``.
+
+        Raises:
+            FileNotFoundError: ``src`` is gone and nothing is kept for this id.
+            OSError: the copy failed (nothing is left behind).
+        """
+        src, home = Path(src), self.dir(expert_id)
+        if home.is_dir():
+            kept = [p for p in home.iterdir() if not p.name.startswith(".")]
+            if len(kept) == 1:
+                return kept[0]
+            shutil.rmtree(home)  # not ours (never renamed into place half-done): start again
+        if not src.exists():
+            raise FileNotFoundError(errno.ENOENT, "expert is gone", str(src))
+        home.parent.mkdir(parents=True, exist_ok=True)
+        tmp = home.parent / f".{expert_id}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            _link_tree(src, tmp / src.name)
+            os.rename(tmp, home)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        fsync_dir(home.parent)
+        return home / src.name
+
+    def prune(self, wanted: set[str]) -> list[str]:
+        """Remove every kept expert whose id is not in ``wanted`` (and leftovers of interrupted
+        copies); returns the ids removed."""
+        gone = []
+        for kind in self.KINDS:
+            folder = self.root / kind
+            if not folder.is_dir():
+                continue
+            for p in folder.iterdir():
+                if p.name in wanted:
+                    continue
+                if p.is_dir():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink(missing_ok=True)
+                if not p.name.startswith("."):
+                    gone.append(p.name)
+        if gone:
+            log.info("kept experts removed (no kept version holds them): %s", sorted(set(gone)))
+        return sorted(set(gone))
+
+
+def _link_tree(src: Path, dest: Path) -> None:
+    """Hard-link ``src`` (a file, or every file under a folder, symlinks followed) to ``dest``;
+    a file that cannot be linked (another filesystem, links not supported) is copied and fsynced.
+    The folders created are fsynced."""
+    if src.is_dir():
+        files = [(Path(d) / f, dest / Path(d).relative_to(src) / f)
+                 for d, _, names in os.walk(src, followlinks=True) for f in names]
+        dest.mkdir(parents=True)
+    else:
+        files = [(src, dest)]
+    folders = {dest.parent, dest} if src.is_dir() else {dest.parent}
+    for a, b in files:
+        b.parent.mkdir(parents=True, exist_ok=True)
+        folders.add(b.parent)
+        try:
+            os.link(a, b)
+        except OSError:
+            shutil.copy2(a, b)
+            with open(b, "rb") as fh:
+                os.fsync(fh.fileno())
+    for d in sorted(folders, key=lambda p: len(p.parts), reverse=True):
+        fsync_dir(d)

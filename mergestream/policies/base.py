@@ -160,7 +160,12 @@ class Policy:
         return None
 
     def drop_from_state(self, state: TensorState, index: int) -> TensorState:
-        """The per-tensor state after expert ``index`` is subtract-unmerged (default: unchanged)."""
+        """The per-tensor state after expert ``index`` is subtract-unmerged (default: unchanged).
+
+        A policy that keeps anything per expert (or derived from the experts folded so far, like
+        OPCM's λ) removes it here: after the most recent fold is removed the state must be the one
+        before that fold, so the next fold is the one that would have come without it.
+        """
         return state
 
     def rebuild(self, base: Tensor, state: TensorState, coefficients: list[float]) -> Tensor | None:
