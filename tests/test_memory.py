@@ -5,6 +5,7 @@ Linux carries the parent's high-water mark into ru_maxrss across fork + exec."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -49,6 +50,14 @@ def _peak_rss(base, expert, policy, params, state, out) -> int:
     proc = subprocess.run([sys.executable, "-c", FOLD_SCRIPT, str(base), str(expert), policy, json.dumps(params),
                            str(state), str(out)], capture_output=True, text=True, check=True)
     return int(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(autouse=True)
+def _free_the_disk(tmp_path):
+    """These models are GiB-sized: remove each test's files when it ends (pytest keeps the last three
+    runs' temporary folders, which would otherwise hold ~20 GB)."""
+    yield
+    shutil.rmtree(tmp_path, ignore_errors=True)
 
 
 @pytest.mark.slow
