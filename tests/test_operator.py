@@ -228,6 +228,8 @@ def test_rough_edges_prefix_ids_operator_rollback_counter_404_and_empty_outputs(
 
         res = json.loads(svc.execute("retry", "ata"))
         assert not res["ok"] and "ata-0f00d0" in res["message"] and "ata-2f00d2" in res["message"]
+        assert "already accepted" in _ok(svc, "retry", "ata-0")  # idempotent: nothing to do, not an error
+        assert _status(svc)["ata-0f00d0"] == "accepted"
         _ok(svc, "rollback", 2)
         _ok(svc, "rollback", 4)
         assert svc.metrics.operator_rollbacks._value.get() == 2

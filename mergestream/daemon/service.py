@@ -303,12 +303,19 @@ class Service:
         return f"{expert_id} unmerged: current is version {self.store.current()}"
 
     def retry(self, expert_id: str) -> str:
-        """Put a rejected or failed expert back in the queue."""
+        """Put a rejected, failed or unmerged expert back in the queue. Idempotent: an expert that is
+        already accepted or queued is left as it is, and the message says so.
+
+        Raises:
+            MergestreamError: unknown expert.
+        """
         row = self.ledger.expert(expert_id)
         if row is None:
             raise MergestreamError(f"unknown expert {expert_id!r}")
-        if row.status not in ("rejected", "failed", "unmerged"):
-            raise MergestreamError(f"expert {expert_id} is {row.status}; only rejected, failed or unmerged ones retry")
+        if row.status == "accepted":
+            return f"{expert_id} is already accepted (version {row.version}): nothing to retry"
+        if row.status in ("pending", "folding"):
+            return f"{expert_id} is already queued ({row.status})"
         self.ledger.set_status(expert_id, "pending", None)
         self.wake.set()
         return f"{expert_id} queued again"
