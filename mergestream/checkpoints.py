@@ -127,7 +127,8 @@ class TensorMeta:
 
 
 def _wrap_open_error(path: Path, exc: Exception) -> CorruptCheckpointError:
-    return CorruptCheckpointError(f"{path}: unreadable or truncated safetensors file ({exc})")
+    detail = str(exc).removeprefix(f"{path}: ")  # the format error names the file too: once is enough
+    return CorruptCheckpointError(f"{path}: unreadable or truncated safetensors file ({detail})")
 
 
 #: bytes per read when hashing a whole checkpoint (one reused buffer)
@@ -329,7 +330,8 @@ def _open_safetensors_files(path: Path, weight_map: dict[str, Path] | None,
         try:
             hdr = st.read_header(f)
         except st.FormatError as exc:
-            raise CorruptCheckpointError(f"{f}: unreadable or truncated safetensors file ({exc})") from exc
+            raise CorruptCheckpointError(
+                f"{f}: unreadable or truncated safetensors file ({str(exc).removeprefix(f'{f}: ')})") from exc
         if metadata is None:
             metadata = hdr.metadata
         for e in hdr.entries:  # file (offset) order

@@ -308,7 +308,7 @@ def history_cmd(config_path, as_json) -> None:
 @click.option("--to", "version", required=True, type=int, help="published version to make current")
 @_fail_cleanly
 def rollback_cmd(config_path, version) -> None:
-    """Point `current` back at an earlier version."""
+    """Point `current` at another kept version, earlier or later (experts' status follows it)."""
     _operator(config_path, "rollback", str(version))
 
 

@@ -314,7 +314,8 @@ def load_config(path: str | os.PathLike) -> Config:
     try:
         cfg = Config(**data)
     except ValidationError as exc:
-        errs = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        errs = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}"
+                         for e in exc.errors())
         raise ConfigError(f"{p}: {errs}") from None
     return _resolve(cfg, p.resolve().parent)
 

@@ -327,6 +327,9 @@ class _Demo:
                           f"the first expert trains meanwhile")
             builder.start()  # training the first expert overlaps the daemon's measurement of θ₀
             self.svc.start()
+            if self.svc.server is not None:  # the port may differ from --port when that one was taken
+                console.print(f"[{time.perf_counter() - t0:4.0f}s] metrics: "
+                              f"http://{self.cfg.metrics.host}:{self.svc.server.port}/metrics", soft_wrap=True)
             daemon_t = threading.Thread(target=self._daemon_loop, name="demo-daemon", daemon=True)
             daemon_t.start()
             if not plain:
@@ -448,21 +451,22 @@ def print_summary(res: DemoResult, console=None) -> None:
     if final:
         console.print("current version's probes: " + ", ".join(f"{k}={v:.2f}" for k, v in sorted(final["probes"].items())
                                                                if k == "sts_spearman" or k.startswith("acc.")))
-    console.print(f"config:        {res.config}")
+    console.print(f"config:        {res.config}", soft_wrap=True)
     console.print(f"gate:          sts_spearman at most {STS_GATE['max_abs_drop']:g} points below the current version "
                   f"and {STS_GATE['base_max_abs_drop']:g} below the base; step_drift at most 10x the median of "
                   f"accepted folds; relative_drift at most 0.5")
     if res.tracking_uri.startswith("sqlite"):
-        console.print(f"MLflow store:  {res.tracking_uri}   (browse: mlflow ui --backend-store-uri {res.tracking_uri})")
+        console.print(f"MLflow store:  {res.tracking_uri}   (browse: mlflow ui --backend-store-uri {res.tracking_uri})",
+                      soft_wrap=True)
     else:
         console.print(f"MLflow store:  {res.tracking_uri}")
     console.print(f"metrics:       {res.metrics_url or '(off)'} was served while the demo ran; to serve it "
-                  f"again and keep folding: mergestream run --config {res.config}")
-    console.print(f"daemon log:    {res.workdir / 'daemon.log'}")
-    console.print(f"history:       mergestream history --config {res.config}")
+                  f"again and keep folding: mergestream run --config {res.config}", soft_wrap=True)
+    console.print(f"daemon log:    {res.workdir / 'daemon.log'}", soft_wrap=True)
+    console.print(f"history:       mergestream history --config {res.config}", soft_wrap=True)
     if res.current is not None:
         model = res.workdir / "state" / "current" / "model"
-        console.print(f"merged model:  {model}")
+        console.print(f"merged model:  {model}", soft_wrap=True)
         console.print(f"load it:       SentenceTransformer({str(model)!r})  (sentence-transformers), or "
                       f"AutoModel.from_pretrained({str(model)!r})  (transformers)", soft_wrap=True)
 

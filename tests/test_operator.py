@@ -247,3 +247,37 @@ def test_rough_edges_prefix_ids_operator_rollback_counter_404_and_empty_outputs(
             assert err.value.code == 404
     finally:
         server.stop()
+
+
+def test_second_round_of_rough_edges(tmp_path):
+    """A duplicate is reported once (not again on every rescan or restart); `name` picks `name-<hash>`
+    among longer ids; unknown experts read the same for unmerge and retry; a misspelt policy
+    parameter is named with the closest known one."""
+    import json
+
+    bpath, experts = _experts(tmp_path, 2)
+    copy = tmp_path / "copy.safetensors"
+    shutil.copy(experts[0], copy)
+    svc = _service(tmp_path, bpath)
+    try:
+        svc.on_expert_ready(ExpertReady(source="folder", uri=str(experts[0]), expert_id="sst2-a49c2982"))
+        svc.on_expert_ready(ExpertReady(source="folder", uri=str(experts[1]), expert_id="sst2_lr3e-3-baea1e"))
+        assert svc.step() and svc.step()
+        for _ in range(3):  # rescans and restarts re-emit what sits in the inbox
+            svc.on_expert_ready(ExpertReady(source="folder", uri=str(copy), expert_id="copy"))
+    finally:
+        svc.shutdown()
+    svc = _service(tmp_path, bpath)
+    try:
+        svc.on_expert_ready(ExpertReady(source="folder", uri=str(copy), expert_id="copy"))
+        assert len([f for f in svc.ledger.folds() if f["kind"] == "duplicate"]) == 1
+        assert svc.ledger.resolve_id("sst2") == "sst2-a49c2982"
+        for verb in ("unmerge", "retry"):
+            res = json.loads(svc.execute(verb, "nosuch"))
+            assert not res["ok"] and res["message"] == "unknown expert 'nosuch'"
+    finally:
+        svc.shutdown()
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="did you mean 'rho'"):
+        Config(base=bpath, policy={"name": "safe_merge", "params": {"rhoo": 0.2}})

@@ -202,7 +202,8 @@ class Ledger:
 
     def resolve_id(self, name: str) -> str:
         """The expert id an operator means: ``name`` itself if it is an id, else the one id that
-        starts with ``name`` (``sst2`` for ``sst2-a49c298240bd``); ``name`` unchanged when none does.
+        starts with ``name`` (``sst2`` for ``sst2-a49c298240bd``), or among several the one that is
+        ``name-<suffix>`` (``sst2`` beside ``sst2_lr3e-3-…``); ``name`` unchanged when none does.
 
         Raises:
             ValueError: several ids start with ``name`` (they are listed).
@@ -211,6 +212,9 @@ class Ledger:
             return name
         hits = [r["expert_id"] for r in self._q("SELECT expert_id FROM experts ORDER BY row")
                 if r["expert_id"].startswith(name)]
+        named = [h for h in hits if h[len(name):].startswith("-")]  # name-<hash>, as cache copies are
+        if len(hits) > 1 and len(named) == 1:
+            return named[0]
         if len(hits) > 1:
             raise ValueError(f"{name!r} matches several experts: {', '.join(hits)}; give more of the id")
         return hits[0] if hits else name

@@ -192,12 +192,12 @@ class Pipeline:
         except PreStepRejected as exc:
             return Outcome("rejected", str(exc), "preprocess")
         except (ValidationError, CheckpointError, FileNotFoundError) as exc:
-            return Outcome("rejected", f"{type(exc).__name__}: {exc}", "validation")
+            return Outcome("rejected", self._as_arrived(row, f"{type(exc).__name__}: {exc}"), "validation")
         except MergestreamError as exc:
-            return Outcome("failed", f"{type(exc).__name__}: {exc}")
+            return Outcome("failed", self._as_arrived(row, f"{type(exc).__name__}: {exc}"))
         except Exception as exc:  # a bug or an environment problem: record it, keep serving
             log.exception("fold of %s failed", row.expert_id)
-            return Outcome("failed", f"{type(exc).__name__}: {exc}")
+            return Outcome("failed", self._as_arrived(row, f"{type(exc).__name__}: {exc}"))
         att.timings["fold_seconds"] = rep.seconds
         self.metrics.bytes_read.inc(rep.bytes_read)
         self.metrics.bytes_written.inc(rep.bytes_written)
@@ -209,6 +209,11 @@ class Pipeline:
             att.extra["cmaes"] = {**rep.search, "coefficients": rep.coefficients,
                                   "evaluations_log": [{"alphas": a, **v} for a, v in objective.evaluations]}
         return None
+
+    def _as_arrived(self, row: ExpertRow, reason: str) -> str:
+        """A reason that names the expert where it arrived (the inbox file, the registry download),
+        not the daemon's kept copy of it."""
+        return reason.replace(str(self.store.kept.dir(row.expert_id) / Path(row.uri).name), row.uri)
 
     # -- the unmerge ------------------------------------------------------------------------------------
     def unmerge(self, expert_id: str) -> str:

@@ -250,7 +250,9 @@ class Service:
         if new:
             self.metrics.experts_seen.labels(source=ev.source).inc()
             log.info("expert queued id=%s source=%s uri=%s", row.expert_id, ev.source, ev.uri)
-        elif row.uri != ev.uri and not (ev.registry_key and ev.registry_key == row.registry_key):
+        elif row.uri != ev.uri and not (ev.registry_key and ev.registry_key == row.registry_key) \
+                and self.ledger.get_meta(f"duplicate:{sha}:{ev.uri}") is None:  # reported once, not per restart
+            self.ledger.set_meta(f"duplicate:{sha}:{ev.uri}", {"of": row.expert_id, "time": time.time()})
             # the same weights under another name: identity is the content, so it is not folded again
             reason = f"duplicate: same weights as expert {row.expert_id} ({row.uri}); not folded again"
             self.metrics.experts_rejected.labels(stage="duplicate").inc()
@@ -293,7 +295,9 @@ class Service:
     def unmerge(self, expert_id: str) -> str:
         """Publish a new version without ``expert_id`` (through the same probes and gate)."""
         row = self.ledger.expert(expert_id)
-        if row is None or row.status != "accepted" or self.store.current_path() is None:
+        if row is None:
+            raise MergestreamError(f"unknown expert {expert_id!r}")
+        if row.status != "accepted" or self.store.current_path() is None:
             raise MergestreamError(f"expert {expert_id!r} is not part of the current backbone")
         outcome = self.pipeline.unmerge(expert_id)
         if outcome != "accepted":

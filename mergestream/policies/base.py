@@ -7,6 +7,7 @@ returned at the previous fold, empty at the first), and gets back Δ_t (float32)
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -92,8 +93,20 @@ class Policy:
             try:
                 self.params = self.Params(**(params or {}))
             except PydanticValidationError as exc:
-                errs = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'params'}: {e['msg']}" for e in exc.errors())
+                errs = "; ".join(self._explain(e) for e in exc.errors())
                 raise PolicyError(f"policy {self.name}: bad parameters: {errs}") from None
+
+    @classmethod
+    def _explain(cls, err: dict[str, Any]) -> str:
+        """One pydantic error as a line for a user: an unknown name gets the known ones (and the
+        closest)."""
+        where = ".".join(map(str, err["loc"])) or "params"
+        if err["type"] != "extra_forbidden":
+            return f"{where}: {err['msg']}"
+        known = [f.alias or n for n, f in cls.Params.model_fields.items()]
+        close = difflib.get_close_matches(where, known, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        return f"{where}: unknown parameter ({hint}known: {', '.join(known)})"
 
     def describe(self) -> dict[str, Any]:
         """Parameters as a JSON-able dict, with METHODS.md names (``lambda``, ``k``, ...)."""

@@ -77,7 +77,7 @@ def never_an_expert(path: Path) -> str | None:
     if not path.is_file():
         return None
     if not path.name.lower().endswith(st.WEIGHT_SUFFIXES):
-        return f"{path.name} is not a weight file ({', '.join(st.WEIGHT_SUFFIXES)})"
+        return f"{path.name} is not a checkpoint (experts are {', '.join(FILE_SUFFIXES)} files or model folders)"
     if not path.name.endswith(FILE_SUFFIXES):  # .h5, .msgpack, .onnx, .gguf: formats we do not fold
         return f"{path.name}: this weight format is not folded (only {', '.join(FILE_SUFFIXES)})"
     if not path.name.endswith(".safetensors"):
