@@ -32,12 +32,15 @@ from typing import Any
 
 WEIGHTS_HASH_TAG = b"mergestream-weights-sha256/1\x00"
 _MAX_HEADER = 100 * 1024 * 1024  # the safetensors format's own limit
-#: the longest safetensors header (bytes) the format allows
-MAX_HEADER_BYTES = _MAX_HEADER
 
 
 class FormatError(Exception):
     """A safetensors file (or a patch) is unreadable, malformed, truncated or inconsistent."""
+
+
+class IncompleteFileError(FormatError):
+    """The file is shorter than its header says, or cannot be read now: what a file that is still
+    being written looks like (a malformed header or trailing bytes are plain :class:`FormatError`)."""
 
 
 #: Bytes per element of every safetensors dtype this module handles (sub-byte dtypes are refused).
@@ -158,7 +161,8 @@ def read_header(path: str | os.PathLike) -> Header:
     """Read and validate the header of a safetensors file, and check the file is not truncated.
 
     Raises:
-        FormatError: unreadable, malformed, truncated, or with trailing bytes.
+        IncompleteFileError: truncated (header or data) or unreadable.
+        FormatError: malformed, or with trailing bytes.
     """
     path = Path(path)
     try:
@@ -167,20 +171,24 @@ def read_header(path: str | os.PathLike) -> Header:
             head = fh.read(8)
             n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
             if n < 2 or n > _MAX_HEADER or 8 + n > size:
-                raise FormatError(f"{path}: not a safetensors file, or truncated (header length {n}, file "
-                                 f"{size} bytes)")
+                short = len(head) < 8 or (2 <= n <= _MAX_HEADER)  # a header still arriving
+                raise (IncompleteFileError if short else FormatError)(
+                    f"{path}: not a safetensors file, or truncated (header length {n}, file {size} bytes)")
             raw = fh.read(n)
     except OSError as exc:
-        raise FormatError(f"{path}: cannot read ({exc.strerror or exc})") from None
+        raise IncompleteFileError(f"{path}: cannot read ({exc.strerror or exc})") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise FormatError(f"{path}: safetensors header is not UTF-8") from None
     hdr = parse_header_text(text, path, str(path))
-    if hdr.data_start + hdr.data_len != size:
-        what = "truncated" if hdr.data_start + hdr.data_len > size else "followed by trailing bytes"
-        raise FormatError(f"{path}: file is {what}: header declares {hdr.data_len} data bytes, "
-                         f"the file holds {size - hdr.data_start}")
+    held = size - hdr.data_start
+    if hdr.data_len > held:
+        raise IncompleteFileError(f"{path}: file is truncated: header declares {hdr.data_len} data bytes, "
+                                  f"the file holds {held}")
+    if hdr.data_len < held:
+        raise FormatError(f"{path}: file is followed by trailing bytes ({held - hdr.data_len} bytes follow the "
+                          f"last tensor): header declares {hdr.data_len} data bytes, the file holds {held}")
     return hdr
 
 
