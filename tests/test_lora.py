@@ -175,6 +175,15 @@ def test_adapters_trained_on_a_rewritten_base_are_refused_on_every_path(tmp_path
     assert not (tmp_path / "o").exists() and not (tmp_path / "s").exists()
 
 
+def _assert_folds_to(base, adapter, truth: dict, tmp_path, *, rtol: float, atol: float) -> None:
+    """Fold ``adapter`` into ``base`` with λ = 1 and compare every tensor with PEFT's ``truth``."""
+    engine.fold(base, None, adapter, "task_arithmetic", {"lambda": 1.0}, state_dir=tmp_path / "s",
+                out=tmp_path / "o")
+    got = read_state_dict(tmp_path / "o")
+    for k, v in truth.items():
+        torch.testing.assert_close(got[k], v, rtol=rtol, atol=atol, msg=k)
+
+
 @pytest.mark.parametrize("init", [True, False, "gaussian", "eva", "orthogonal"])
 def test_inits_that_keep_the_base_fold_as_plain_lora(tmp_path, init):
     import copy
@@ -187,11 +196,7 @@ def test_inits_that_keep_the_base_fold_as_plain_lora(tmp_path, init):
     pm.save_pretrained(tmp_path / "ad")
     _set_init(tmp_path / "ad", init)
     truth = pm.merge_and_unload().state_dict()
-    engine.fold(base, None, tmp_path / "ad", "task_arithmetic", {"lambda": 1.0}, state_dir=tmp_path / "s",
-                out=tmp_path / "o")
-    got = read_state_dict(tmp_path / "o")
-    for k, v in truth.items():
-        torch.testing.assert_close(got[k], v, rtol=1e-5, atol=1e-6, msg=k)
+    _assert_folds_to(base, tmp_path / "ad", truth, tmp_path, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("init", ["pissa", "olora"])
@@ -211,11 +216,7 @@ def test_a_converted_pissa_or_olora_adapter_folds_to_the_fine_tuned_model(tmp_pa
     _train_lora_b(pm)
     pm.save_pretrained(tmp_path / "converted", path_initial_model_for_weight_conversion=tmp_path / "initial")
     truth = pm.merge_and_unload().state_dict()
-    engine.fold(base, None, tmp_path / "converted", "task_arithmetic", {"lambda": 1.0}, state_dir=tmp_path / "s",
-                out=tmp_path / "o")
-    got = read_state_dict(tmp_path / "o")
-    for k, v in truth.items():
-        torch.testing.assert_close(got[k], v, rtol=1e-4, atol=1e-5, msg=k)
+    _assert_folds_to(base, tmp_path / "converted", truth, tmp_path, rtol=1e-4, atol=1e-5)
 
 
 # -- N4: alpha_pattern / rank_pattern keys match modules as PEFT matches them -------------------------

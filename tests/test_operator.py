@@ -31,6 +31,13 @@ def _service(tmp: Path, base: Path, watch_sources: bool = False, **extra) -> Ser
     return svc
 
 
+def _fold_each(svc: Service, experts: list[Path], ids: list[str]) -> None:
+    """Hand each expert to the service as a folder source would, and fold it (one loop step)."""
+    for e, eid in zip(experts, ids):
+        svc.on_expert_ready(ExpertReady(source="folder", uri=str(e), expert_id=eid))
+        assert svc.step()
+
+
 def _status(svc: Service) -> dict[str, str]:
     return {r.expert_id: r.status for r in svc.ledger.experts()}
 
@@ -47,9 +54,7 @@ def test_rollback_back_and_forth_keeps_status_unmerge_and_retry_working(tmp_path
     bpath, experts = _experts(tmp_path, 4)
     svc = _service(tmp_path, bpath)
     try:
-        for i, e in enumerate(experts):
-            svc.on_expert_ready(ExpertReady(source="folder", uri=str(e), expert_id=f"e{i}"))
-            assert svc.step()
+        _fold_each(svc, experts, [f"e{i}" for i in range(len(experts))])
         assert svc.store.current() == 4 and set(_status(svc).values()) == {"accepted"}
         for back, forth in ((1, 2), (1, 4), (3, 4), (2, 3)):
             _ok(svc, "rollback", back)
@@ -77,9 +82,7 @@ def test_published_states_name_their_own_model(tmp_path):
     bpath, experts = _experts(tmp_path, 2)
     svc = _service(tmp_path, bpath)
     try:
-        for i, e in enumerate(experts):
-            svc.on_expert_ready(ExpertReady(source="folder", uri=str(e), expert_id=f"e{i}"))
-            assert svc.step()
+        _fold_each(svc, experts, [f"e{i}" for i in range(len(experts))])
     finally:
         svc.shutdown()
     for n in (1, 2):
@@ -219,9 +222,8 @@ def test_rough_edges_prefix_ids_operator_rollback_counter_404_and_empty_outputs(
     assert run_cli("history", "--config", str(cfg_path)).stdout.strip() == "no folds yet"
     svc = _service(tmp_path, bpath)
     try:
-        for i, e in enumerate(experts):  # ids like the demo's cache copies: name-hash
-            svc.on_expert_ready(ExpertReady(source="folder", uri=str(e), expert_id=f"{'ab'[i % 2]}ta-{i}f00d{i}"))
-            assert svc.step()
+        # ids like the demo's cache copies: name-hash
+        _fold_each(svc, experts, [f"{'ab'[i % 2]}ta-{i}f00d{i}" for i in range(len(experts))])
         assert sorted(_status(svc)) == ["ata-0f00d0", "ata-2f00d2", "bta-1f00d1"]
         assert "bta-1f00d1 unmerged" in _ok(svc, "unmerge", "bta")  # a unique prefix
         import json

@@ -62,18 +62,25 @@ def test_subtract_of_the_latest_fold_restores_bytes_over_25_cycles(tmp_path, dty
     assert StateDir(state).manifest.ids() == ["first"]
 
 
+def _three_folds(tmp, dtype: torch.dtype, policy: str, params: dict):
+    """θ₀ and three perturbed experts folded in turn into ``tmp/state``; returns (θ₀ tensors, θ₀'s
+    path, the state folder, the last backbone)."""
+    base = _wide_model(0, dtype)
+    bpath = save_tensors(tmp / "base.safetensors", base)
+    state, prev = tmp / "state", None
+    for i in range(3):
+        e = save_tensors(tmp / f"e{i}.safetensors", perturb(base, 0.05, i + 1))
+        engine.fold(bpath, prev, e, policy, params, state_dir=state, out=tmp / f"v{i}")
+        prev = tmp / f"v{i}"
+    return base, bpath, state, prev
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_subtract_of_an_earlier_fold_is_within_one_ulp(tmp_path, dtype):
     """Removing an earlier fold: rd(θ − r) with r the stored residual, within one unit in the last
     place of the storage dtype of the exact θ − r, on every element; removing the last one left
     gives θ₀ exactly."""
-    base = _wide_model(0, dtype)
-    bpath = save_tensors(tmp_path / "base.safetensors", base)
-    es = [save_tensors(tmp_path / f"e{i}.safetensors", perturb(base, 0.05, i + 1)) for i in range(3)]
-    state, prev = tmp_path / "state", None
-    for i, e in enumerate(es):
-        engine.fold(bpath, prev, e, "task_arithmetic", {"lambda": 0.5}, state_dir=state, out=tmp_path / f"v{i}")
-        prev = tmp_path / f"v{i}"
+    base, bpath, state, prev = _three_folds(tmp_path, dtype, "task_arithmetic", {"lambda": 0.5})
     sd = StateDir(state)
     contrib = residuals.ResidualReader(state / sd.manifest.folds[0].contribution)
     cur = read_state_dict(prev)
@@ -96,17 +103,12 @@ def test_subtract_of_an_earlier_fold_is_within_one_ulp(tmp_path, dtype):
 
 
 def test_replay_is_byte_exact(tmp_path):
-    base = _wide_model(0, torch.bfloat16)
-    bpath = save_tensors(tmp_path / "base.safetensors", base)
-    es = [save_tensors(tmp_path / f"e{i}.safetensors", perturb(base, 0.05, i + 1)) for i in range(3)]
-    state, prev = tmp_path / "state", None
-    for i, e in enumerate(es):
-        engine.fold(bpath, prev, e, "ties", {"k": 40}, state_dir=state, out=tmp_path / f"v{i}")
-        prev = tmp_path / f"v{i}"
+    base, bpath, state, prev = _three_folds(tmp_path, torch.bfloat16, "ties", {"k": 40})
     engine.unmerge(state, "e1", "replay", out=tmp_path / "replayed")
     s2, prev = tmp_path / "s2", None
     for i in (0, 2):
-        engine.fold(bpath, prev, es[i], "ties", {"k": 40}, state_dir=s2, out=tmp_path / f"w{i}")
+        engine.fold(bpath, prev, tmp_path / f"e{i}.safetensors", "ties", {"k": 40}, state_dir=s2,
+                    out=tmp_path / f"w{i}")
         prev = tmp_path / f"w{i}"
     _same_bytes(read_state_dict(tmp_path / "replayed"), read_state_dict(prev))
 
