@@ -13,7 +13,7 @@ from mergestream.errors import NonFiniteError, PolicyError
 from mergestream.folding import weights_stream
 from mergestream.policies import TensorContext, cmaes_coefficients, make_policy
 from mergestream.policies.mdm_oc import gram_schmidt, orthogonal_factors
-from mergestream.policies.safe_merge import magnitude_mask, masked_recovery
+from mergestream.policies.safe_merge import magnitude_mask, masked_recovery, top_singular
 from mergestream.policies.task_arithmetic import disjoint_mean, elect_sign, trim_top_k
 from mergestream.state import StateDir
 
@@ -188,6 +188,52 @@ def test_safe_merge_recovery_loss_decreases():
     assert len(losses) == 41
     assert losses[-1] < 0.7 * losses[0]
     assert min(losses) < losses[0]
+
+
+def _dense_recovery(tau, mask, delta_prev, *, rank, steps, lambda_old, lr_scale, k_new, k_old, seed=0):
+    """The recovery written densely with autograd (METHODS.md §safe_merge step 6): the oracle for the
+    sparse formulation in mergestream."""
+    mf = mask.float()
+    d0 = tau * mf
+    _, v_new = top_singular(tau, k_new, seed=seed)
+    v_old = top_singular(delta_prev, k_old, seed=seed + 1)[1] if delta_prev is not None else None
+    gen = torch.Generator().manual_seed(seed)
+    a = (torch.randn(rank, tau.shape[1], generator=gen) / rank**0.5).requires_grad_(True)
+    b = torch.zeros(tau.shape[0], rank, requires_grad=True)
+    opt = torch.optim.Adam([a, b], lr=lr_scale * float(tau.std()))
+    losses = []
+    for _ in range(steps + 1):
+        corr = (b @ a) * mf
+        loss = ((d0 - tau) @ v_new + corr @ v_new).square().sum()
+        if v_old is not None:
+            loss = loss + lambda_old * (d0 @ v_old + corr @ v_old).square().sum()
+        losses.append(float(loss.detach()))
+        if len(losses) > steps:
+            break
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return (d0 + (b @ a) * mf).detach(), losses
+
+
+@pytest.mark.parametrize("with_previous,rho", [(False, 0.1), (True, 0.1), (True, 0.5), (False, 1.0)])
+def test_safe_merge_sparse_recovery_equals_the_dense_formulation(with_previous, rho):
+    base, tau = _safe_inputs(m=150, n=170, seed=3)
+    mask = magnitude_mask(tau.abs(), rho)
+    prev = 0.02 * torch.randn(tau.shape, generator=torch.Generator().manual_seed(4)) if with_previous else None
+    kw = dict(rank=6, steps=25, lambda_old=0.7, lr_scale=0.1, k_new=5, k_old=9, seed=2)
+    got, got_losses = masked_recovery(tau, mask, prev, **kw)
+    want, want_losses = _dense_recovery(tau, mask, prev, **kw)
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-6 * float(tau.abs().max()))
+    assert not bool(got[~mask].any())  # D is zero outside M
+    assert got_losses == pytest.approx(want_losses, rel=1e-4, abs=1e-9)
+
+
+def test_safe_merge_recovery_with_an_empty_mask_is_zero():
+    _, tau = _safe_inputs()
+    d, losses = masked_recovery(tau, torch.zeros_like(tau, dtype=torch.bool), None, rank=4, steps=5, lambda_old=1.0,
+                                lr_scale=0.1, k_new=4, k_old=4)
+    assert not bool(d.any()) and losses == []
 
 
 def test_safe_merge_rho_one_without_recovery_equals_task_arithmetic(tmp_path):

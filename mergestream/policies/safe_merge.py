@@ -19,10 +19,16 @@ Halko et al. 2011) computes the top singular vectors; exact SVD below 512 column
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from pydantic import Field
 
 from .base import Policy, PolicyParams, Tensor, TensorContext, TensorFold, TensorState
+
+# torch marks sparse CSR as beta and says so on the first CSR tensor; the recovery depends only on
+# sampled_addmm and CSR @ dense, which the tests check against the dense formulation.
+warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta", category=UserWarning)
 
 
 def top_singular(w: Tensor, k: int, *, seed: int = 0) -> tuple[Tensor, Tensor]:
@@ -69,18 +75,69 @@ def magnitude_mask(score: Tensor, rho: float) -> Tensor:
 
 def risk_scores(tau: Tensor, u0: Tensor, v0: Tensor, k_s: int, eps: float = 1e-12, seed: int = 0) -> Tensor:
     """General-knowledge risk r ∈ [0, 1] per entry (steps 2-3 above); (m, n) float32."""
-    g = _project(u0, tau, v0)
-    perp = tau - u0 @ (u0.T @ tau) - (tau @ v0) @ v0.T + g
+    x = u0.T @ tau  # (k, n)
+    core = x @ v0  # U₀ᵀ τ V₀, (k, k)
+    # τ_⊥ = τ − U₀U₀ᵀτ − (τV₀ − U₀U₀ᵀτV₀)V₀ᵀ, formed in one (m, n) buffer
+    perp = torch.addmm(tau, u0, x, alpha=-1.0).addmm_(torch.addmm(tau @ v0, u0, core, alpha=-1.0), v0.T, alpha=-1.0)
+    del x
     us, vs = top_singular(perp, k_s, seed=seed)
+    del perp
+    g = (u0 @ core) @ v0.T  # G = U₀U₀ᵀ τ V₀V₀ᵀ
     s = _project(us, tau, vs)
     g.abs_()
-    return g / (g + s.abs_() + eps)
+    return g.div_(s.abs_().add_(g).add_(eps))
+
+
+class KeptPattern:
+    """The kept entries of a mask M (m, n) as a sparse CSR matrix S whose values are rewritten in place.
+
+    The masked recovery only ever needs M ⊙ (X Y) and products of such a sparse matrix (or its
+    transpose) with dense ones, so it works on the ρ·m·n kept entries instead of dense (m, n)
+    products. ``sample`` sets S = α·M⊙(X Y) (``torch.sparse.sampled_addmm`` into S's own values),
+    ``transposed`` gives Sᵀ as CSR with the same values; both reuse buffers allocated once, so the
+    Adam loop allocates nothing of size ρ·m·n per step. ``values`` (nnz,) float32 is in row-major
+    order of the kept entries (the order of ``mask.reshape(-1).nonzero()``).
+    """
+
+    def __init__(self, mask: Tensor, dtype: torch.dtype = torch.float32) -> None:
+        m, n = mask.shape
+        self.flat = mask.reshape(-1).nonzero().squeeze(1)
+        rows, cols = self.flat // n, self.flat % n
+        self.nnz = int(self.flat.numel())
+        self.values = torch.zeros(self.nnz, dtype=dtype, device=mask.device)
+        self._values_t = torch.zeros_like(self.values)
+        self._order = torch.argsort(cols * m + rows)  # row-major -> column-major order of the same entries
+        self.s = torch.sparse_csr_tensor(_offsets(rows, m), cols, self.values, size=(m, n), check_invariants=False)
+        self._s_t = torch.sparse_csr_tensor(_offsets(cols, n), rows[self._order], self._values_t, size=(n, m),
+                                            check_invariants=False)
+
+    def sample(self, x: Tensor, y: Tensor, alpha: float = 1.0) -> Tensor:
+        """Set S = alpha · M⊙(x @ y) for x (m, k), y (k, n) and return S (sparse CSR (m, n))."""
+        return torch.sparse.sampled_addmm(self.s, x, y, beta=0.0, alpha=alpha, out=self.s)
+
+    def transposed(self) -> Tensor:
+        """Sᵀ (sparse CSR (n, m)) holding S's current values."""
+        torch.index_select(self.values, 0, self._order, out=self._values_t)
+        return self._s_t
+
+
+def _offsets(index: Tensor, size: int) -> Tensor:
+    """CSR row offsets (size + 1,) int64 of a sorted-by-row index vector."""
+    out = torch.zeros(size + 1, dtype=torch.int64, device=index.device)
+    out[1:] = torch.bincount(index, minlength=size).cumsum(0)
+    return out
 
 
 def masked_recovery(tau: Tensor, mask: Tensor, delta_prev: Tensor | None, *, rank: int, steps: int,
                     lambda_old: float, lr_scale: float, k_new: int, k_old: int,
                     seed: int = 0) -> tuple[Tensor, list[float]]:
     """Steps 5-6: D = M⊙τ + M⊙(BA) with A, B fitted by Adam on the data-free objective.
+
+    The objective L = ‖(D − τ) V_new‖²_F + λ_old ‖D V_old‖²_F is written as ‖P + C W‖²_F with
+    C = M⊙(BA), W = [V_new, √λ_old·V_old] (n, K), P = [(M⊙τ − τ) V_new, √λ_old·(M⊙τ) V_old] (m, K);
+    its gradient is dL/dB = G Aᵀ, dL/dA = Bᵀ G with G = M ⊙ 2(P + C W) Wᵀ. C and G live only on the
+    ρ·m·n kept entries (:class:`KeptPattern`), so a step costs O(ρ·m·n·(r + K)) instead of the dense
+    O(m·n·(r + K)); Adam (``torch.optim.Adam``) takes these gradients as autograd would give them.
 
     Args:
         tau: (m, n) float32 task vector.
@@ -89,39 +146,48 @@ def masked_recovery(tau: Tensor, mask: Tensor, delta_prev: Tensor | None, *, ran
         rank: r of the correction; steps: Adam steps (0 = no recovery).
 
     Returns:
-        D (m, n) float32, zero outside M; and the loss after each step (first = before any step).
+        D (m, n) float32, zero outside M; and the loss after each step (first = before any step;
+        empty when there is no recovery: ``steps`` or ``rank`` 0, or an empty mask).
     """
-    mf = mask.to(tau.dtype)
-    d0 = tau * mf
+    d0 = tau * mask.to(tau.dtype)
     if steps <= 0 or rank <= 0:
+        return d0, []
+    pattern = KeptPattern(mask)
+    if pattern.nnz == 0:
         return d0, []
     m, n = tau.shape
     _, v_new = top_singular(tau, k_new, seed=seed)
-    v_old = None
+    w, p = [v_new], [(d0 - tau) @ v_new]  # constant part of (D − τ) V_new
     if lambda_old > 0 and delta_prev is not None and bool(delta_prev.any()):
         _, v_old = top_singular(delta_prev, k_old, seed=seed + 1)
+        w.append(v_old * lambda_old**0.5)
+        p.append((d0 @ v_old) * lambda_old**0.5)
+    w_all, p_all = torch.cat(w, 1), torch.cat(p, 1)
+    w_t = w_all.T.contiguous()
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    a = (torch.randn(rank, n, generator=gen) / rank**0.5).to(tau.device).requires_grad_(True)
-    b = torch.zeros(m, rank, device=tau.device, requires_grad=True)
+    a = (torch.randn(rank, n, generator=gen) / rank**0.5).to(tau.device)
+    b = torch.zeros(m, rank, device=tau.device)
+    a.grad, b.grad = torch.zeros_like(a), torch.zeros_like(b)
+    a_t, grad_a_t = a.T.contiguous(), torch.empty(n, rank, device=tau.device)
+    resid = torch.empty_like(p_all)
     lr = lr_scale * float(tau.std()) if tau.numel() > 1 else lr_scale
     opt = torch.optim.Adam([a, b], lr=max(lr, 1e-12))
-    p_new = (d0 - tau) @ v_new  # constant part of (D − τ) V_new
-    p_old = d0 @ v_old if v_old is not None else None
     losses: list[float] = []
-    with torch.enable_grad():
+    with torch.no_grad():
         for _ in range(steps + 1):
-            corr = (b @ a) * mf
-            loss = (p_new + corr @ v_new).square().sum()
-            if p_old is not None:
-                loss = loss + lambda_old * (p_old + corr @ v_old).square().sum()
-            losses.append(float(loss.detach()))
+            torch.mm(pattern.sample(b, a), w_all, out=resid).add_(p_all)  # R = P + C W, (m, K)
+            flat_r = resid.view(-1)
+            losses.append(float(torch.dot(flat_r, flat_r)))
             if len(losses) > steps:
                 break
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
+            g = pattern.sample(resid, w_t, alpha=2.0)  # G = M ⊙ 2 R Wᵀ
+            torch.mm(g, a_t.copy_(a.T), out=b.grad)
+            torch.mm(pattern.transposed(), b, out=grad_a_t)
+            a.grad.copy_(grad_a_t.T)
             opt.step()
-    with torch.no_grad():
-        return d0 + (b @ a) * mf, losses
+        pattern.sample(b, a)
+        d0.view(-1).index_add_(0, pattern.flat, pattern.values)
+    return d0, losses
 
 
 class SafeMergeParams(PolicyParams):
