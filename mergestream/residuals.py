@@ -235,19 +235,20 @@ def fold_linear(name: str, e: torch.Tensor, lam: float, base: Checkpoint, backbo
         b_raw = base.read_into(name, _buffer("base", k * isz, torch.uint8, cpu), s * isz).view(dtype)
         bf = _buffer("b", k, m, dev).copy_(b_raw)
         x.sub_(bf)
-        if lam != 1.0:
-            x.mul_(lam)
         if backbone is None:
             prev_raw, pf = b_raw, bf
         else:
             prev_raw = backbone.read_into(name, _buffer("prev", k * isz, torch.uint8, cpu), s * isz).view(dtype)
             pf = _buffer("p", k, m, dev).copy_(prev_raw)
+        if lam != 1.0:
+            x.mul_(lam)  # λτ rounded, then added: the same two roundings as the whole-tensor path
         x.add_(pf)
-        if not bool(torch.isfinite(x.sum())):  # NaN/Inf in the expert (still intact in ec) or overflow
-            check_finite_tensor(name, ec, where)
         out_c = _buffer("out", k, dtype, dev).copy_(x)
-        x.copy_(out_c)  # θ_t as stored, back in the math dtype: an overflow of the cast shows here
+        x.copy_(out_c)  # θ_t as stored, back in the math dtype
+        # one reduction catches both NaN/Inf in the expert (still intact in ec) and an overflow of the
+        # sum or of the cast to the storage dtype; only then is it told apart which it was
         if not bool(torch.isfinite(x.sum())):
+            check_finite_tensor(name, ec, where)
             raise NonFiniteError(f"tensor {name}: the fold's result is not finite in {dtype} (overflow?); "
                                  "nothing written")
         ec.copy_(out_c)
