@@ -71,6 +71,11 @@ class RIParams:
         max_length: tokens per example for the default Hugging Face features.
         seed: order of the auxiliary batches.
         eval_examples: examples of the auxiliary set on which the loss is reported before and after.
+        eval_every: evaluate L on those examples every N steps and return the best iterate seen
+            (θᵢ itself included, as step 0) instead of the last one; 0 returns the last iterate.
+            Costs one forward pass over ``eval_examples`` per evaluation and a copy of the trained
+            parameters. Our choice: with a loss that starts near its minimum, AdamW's last
+            iterate can end above where it started.
     """
 
     alpha: float = 1.0
@@ -81,10 +86,13 @@ class RIParams:
     max_length: int = 64
     seed: int = 0
     eval_examples: int = 256
+    eval_every: int = 10
 
     def __post_init__(self) -> None:
         if self.alpha < 0 or self.steps < 0 or self.lr <= 0 or self.batch_size < 1 or self.max_length < 1:
             raise RIError(f"invalid RI parameters {self}: alpha, steps >= 0; lr > 0; batch_size, max_length >= 1")
+        if self.eval_every < 0:
+            raise RIError("eval_every must be >= 0")
         if self.time_budget_seconds is not None and self.time_budget_seconds < 0:
             raise RIError("time_budget_seconds must be >= 0")
 
@@ -102,6 +110,9 @@ class RIResult:
         own_kl_after / base_kl_after: the two terms of ``loss_after`` (base term already weighted).
         losses: the mini-batch loss of every step.
         other_heads: N − 1, the number of other tasks' heads.
+        best_step: the step whose iterate was returned (0: θᵢ unchanged; ``steps`` when the last
+            iterate is returned or ``eval_every`` is 0).
+        eval_losses: (step, L on the eval examples) of every evaluation, step 0 first.
     """
 
     steps: int = 0
@@ -113,10 +124,13 @@ class RIResult:
     base_kl_after: float = 0.0
     losses: list[float] = field(default_factory=list)
     other_heads: int = 0
+    best_step: int = 0
+    eval_losses: list[tuple[int, float]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("losses")
+        d.pop("eval_losses")
         d["loss_first_step"] = self.losses[0] if self.losses else None
         d["loss_last_step"] = self.losses[-1] if self.losses else None
         return d
@@ -230,6 +244,8 @@ def resolve_interference(model: torch.nn.Module, features: Callable[[torch.nn.Mo
     o0, g0 = full_loss()
     res.loss_before = o0 + g0
     trainable = [p for p in model.parameters() if p.requires_grad and p.is_floating_point()]
+    best = _BestIterate(trainable, res.loss_before) if params.eval_every > 0 else None
+    res.eval_losses.append((0, res.loss_before))
     opt = torch.optim.AdamW(trainable, lr=params.lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(params.seed)
     order: list[int] = []
@@ -254,14 +270,46 @@ def resolve_interference(model: torch.nn.Module, features: Callable[[torch.nn.Mo
         res.steps = step + 1
         if progress is not None:
             progress(res.steps, res.losses[-1])
+        if best is not None and res.steps % params.eval_every == 0 and res.steps < params.steps:
+            o, g = full_loss()
+            res.eval_losses.append((res.steps, o + g))
+            best.offer(res.steps, o + g)
     res.seconds = time.perf_counter() - t0
     o1, g1 = full_loss()
+    res.eval_losses.append((res.steps, o1 + g1))
+    res.best_step = res.steps
+    if best is not None and best.loss < o1 + g1:
+        best.restore()
+        res.best_step = best.step
+        o1, g1 = full_loss()
     res.loss_after, res.own_kl_after, res.base_kl_after = o1 + g1, o1, g1
     opt.zero_grad(set_to_none=True)
     model.train(was_training)
-    log.info("ri steps=%d stopped=%s seconds=%.1f loss_before=%.5g loss_after=%.5g other_heads=%d",
-             res.steps, res.stopped, res.seconds, res.loss_before, res.loss_after, res.other_heads)
+    log.info("ri steps=%d best_step=%d stopped=%s seconds=%.1f loss_before=%.5g loss_after=%.5g other_heads=%d",
+             res.steps, res.best_step, res.stopped, res.seconds, res.loss_before, res.loss_after, res.other_heads)
     return res
+
+
+class _BestIterate:
+    """The trained parameters at the lowest evaluated loss so far (a CPU copy, taken only on improvement)."""
+
+    def __init__(self, params: list[torch.Tensor], loss: float):
+        self._params = params
+        self.step, self.loss = 0, loss
+        self._copy = [p.detach().to("cpu", copy=True) for p in params]
+
+    def offer(self, step: int, loss: float) -> None:
+        """Keep the current parameters if ``loss`` is below the best so far."""
+        if loss < self.loss:
+            self.step, self.loss = step, loss
+            for c, p in zip(self._copy, self._params):
+                c.copy_(p.detach())
+
+    def restore(self) -> None:
+        """Write the best parameters back into the model."""
+        with torch.no_grad():
+            for c, p in zip(self._copy, self._params):
+                p.copy_(c)
 
 
 # ------------------------------------------------------------------------------------------

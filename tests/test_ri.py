@@ -99,6 +99,35 @@ def test_alpha_zero_on_the_expert_itself_keeps_it_exactly(bert, expert, aux, tmp
     torch.testing.assert_close(own_probs_of(m, fm, aux, own), F.softmax(teacher, -1), atol=1e-2, rtol=0)
 
 
+@pytest.mark.parametrize("eval_every", [0, 1, 4])
+def test_best_iterate_is_kept_when_the_steps_overshoot(aux, eval_every):
+    """A start near the minimum and a learning rate far too large: AdamW's last iterate ends above
+    where it started; with ``eval_every`` the best evaluated iterate (here θᵢ itself) is returned."""
+    fm = BagOfWordsFeatures()
+    torch.manual_seed(0)
+    teacher_model = BagOfWords()
+    own, *others = heads(1)
+    with torch.no_grad():
+        teacher = fm.features(teacher_model, aux) @ own[0].T + own[1]
+    student = BagOfWords()
+    start = {k: v + 1e-3 * torch.randn_like(v) for k, v in teacher_model.state_dict().items()}
+    student.load_state_dict(start)
+    res = resolve_interference(student, fm.features, aux, torch.zeros(len(aux), H), own, others,
+                               RIParams(alpha=0.0, steps=12, lr=0.5, batch_size=16, eval_every=eval_every),
+                               teacher_logits=teacher)
+    assert res.steps == 12 and res.eval_losses[0] == (0, res.loss_before)
+    if eval_every == 0:
+        assert res.best_step == 12 and res.loss_after > res.loss_before  # the overshoot is real
+    else:
+        assert res.loss_after <= res.loss_before
+        assert res.loss_after == min(loss for _, loss in res.eval_losses)
+        assert res.best_step % eval_every == 0 or res.best_step == 12
+        if res.best_step == 0:
+            assert all(torch.equal(student.state_dict()[k], v) for k, v in start.items())
+    with pytest.raises(RIError):
+        RIParams(eval_every=-1)
+
+
 def own_probs_of(model, fm, aux, head) -> torch.Tensor:
     with torch.no_grad():
         return F.softmax(fm.features(model, list(aux)) @ head[0].T + head[1], -1)

@@ -82,7 +82,7 @@ class PreSteps:
             tok = expert_dir if has_tokenizer(expert_dir) else Path(self.cfg.base)
             fm = load_feature_model(rc.forward, tokenizer=tok, pooling=spec.pooling, max_length=rc.max_length)
             params = RIParams(alpha=rc.alpha, steps=rc.steps, time_budget_seconds=rc.time_budget_seconds, lr=rc.lr,
-                              batch_size=rc.batch_size, max_length=rc.max_length)
+                              batch_size=rc.batch_size, max_length=rc.max_length, eval_every=rc.eval_every)
 
             def progress(step: int, loss: float) -> None:
                 self.heartbeat()
