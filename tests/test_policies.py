@@ -236,6 +236,31 @@ def test_safe_merge_recovery_with_an_empty_mask_is_zero():
     assert not bool(d.any()) and losses == []
 
 
+def test_safe_merge_projected_update_is_orthogonal_to_the_previous_block(tmp_path):
+    """project_rank r: the second fold's update (ρ = 1, no recovery, no risk mask, so Δ = λτ') has
+    no component in the top-r singular block of Δ₁; r = 0 is the plain policy, byte for byte."""
+    bpath, experts = _models(tmp_path, n_experts=2)
+    params = {"rho": 1, "lambda": 1, "steps": 0, "k": 4, "k_s": 4, "risk_mask": False}
+    proj, _ = _fold_chain(tmp_path, bpath, experts, "safe_merge", {**params, "project_rank": 3}, "p")
+    plain, _ = _fold_chain(tmp_path, bpath, experts, "safe_merge", params, "n")
+    off, _ = _fold_chain(tmp_path, bpath, experts, "safe_merge", {**params, "project_rank": 0}, "o")
+    base = read_state_dict(bpath)
+    v1, v2p, v2n, v2o = (read_state_dict(x) for x in (proj[0], proj[1], plain[1], off[1]))
+    checked = 0
+    for k, b in base.items():
+        assert torch.equal(v2n[k], v2o[k]), k
+        if b.ndim != 2 or min(b.shape) < 8 or "embed" in k:  # embeddings: magnitude mask only
+            continue
+        d1 = v1[k].double() - b.double()
+        u, _, vh = torch.linalg.svd(d1, full_matrices=False)
+        step = v2p[k].double() - v1[k].double()
+        block = u[:, :3].T @ step @ vh[:3].T
+        plain_block = u[:, :3].T @ (v2n[k].double() - v1[k].double()) @ vh[:3].T
+        assert float(block.norm()) < 1e-4 * float(plain_block.norm()) + 1e-6, k
+        checked += 1
+    assert checked
+
+
 def test_safe_merge_rho_one_without_recovery_equals_task_arithmetic(tmp_path):
     bpath, experts = _models(tmp_path, n_experts=2)
     sm, _ = _fold_chain(tmp_path, bpath, experts, "safe_merge", {"rho": 1, "lambda": 1, "steps": 0, "k": 4, "k_s": 4}, "sm")

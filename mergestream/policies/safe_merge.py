@@ -12,6 +12,10 @@ Data-free continual merging that protects general knowledge. Per 2-D weight (MET
    (skipped at the first fold, where Δ_{t−1} = 0);
 7. Δ_t = λ·D.
 
+Optional (``project_rank`` r > 0; off by default, our addition after OPCM, Tang et al. 2025 §4.2):
+at later folds τ is first replaced by τ' = τ − U_r U_rᵀ τ V_r V_rᵀ, with U_r, V_r the top-r singular
+vectors of Δ_{t−1}, and steps 2-7 run on τ' (the mask, the risk and the recovery target).
+
 Tensors that are not 2-D, 2-D tensors with min(shape) < 2k, and embedding matrices: magnitude mask
 with the same ρ, no recovery (our choice, METHODS.md). Randomised SVD (``torch.svd_lowrank``,
 Halko et al. 2011) computes the top singular vectors; exact SVD below 512 columns — our choice.
@@ -202,6 +206,8 @@ class SafeMergeParams(PolicyParams):
     k_new: int = Field(8, ge=1, description="top right singular vectors of τ in L_new")
     k_old: int = Field(64, ge=1, description="top right singular vectors of Δ_{t−1} in L_old")
     risk_mask: bool = Field(True, description="False: plain magnitude mask (the ablation row)")
+    project_rank: int = Field(0, ge=0, description="later folds: first project τ off the top-r singular block of "
+                                                   "Δ_{t−1} (OPCM-style; 0 = off)")
 
 
 class SafeMerge(Policy):
@@ -218,6 +224,10 @@ class SafeMerge(Policy):
             mask = magnitude_mask(tau.abs(), p.rho)
             return TensorFold(tau.mul_(mask).mul_(p.lam), {}, {"kept": float(mask.sum())})
         new_state = state
+        delta_prev = backbone - base if ctx.n_previous > 0 else None
+        if p.project_rank > 0 and delta_prev is not None and bool(delta_prev.any()):
+            up, vp = top_singular(delta_prev, p.project_rank, seed=ctx.seed + 2)
+            tau.addmm_(up @ ((up.T @ tau) @ vp), vp.T, alpha=-1.0)  # τ' = τ − U_r U_rᵀ τ V_r V_rᵀ
         if p.risk_mask:
             if "U0" not in state:
                 u0, v0 = top_singular(base, p.k, seed=ctx.seed)
@@ -228,7 +238,6 @@ class SafeMerge(Policy):
             score = tau.abs()
         mask = magnitude_mask(score, p.rho)
         del score
-        delta_prev = backbone - base if ctx.n_previous > 0 else None
         d, losses = masked_recovery(tau, mask, delta_prev, rank=p.rank, steps=p.steps, lambda_old=p.lambda_old,
                                     lr_scale=p.lr_scale, k_new=p.k_new, k_old=p.k_old, seed=ctx.seed)
         stats = {"kept": float(mask.sum())}
