@@ -8,7 +8,9 @@ One module per kind of source, one registry, shaped like :mod:`mergestream.polic
 * :mod:`.folder`: :class:`FolderSource`, the inbox watcher (config section ``watch``);
 * :mod:`.mlflow`: :class:`RegistrySource`, the MLflow model registry poller (``mlflow.registry``,
   plus its :class:`WebhookReceiver` when ``mlflow.webhook.enabled``);
-* :mod:`.webhook`: MLflow webhook signatures and the receiver.
+* :mod:`.webhook`: MLflow webhook signatures and the receiver;
+* :mod:`.s3`: :class:`~.s3.S3Source`, the object storage poller (``s3``, plus its
+  :class:`~.s3_notify.NotificationReceiver` when ``s3.notify.enabled``).
 
 ``REGISTRY`` maps a source name (its metrics label and registry-key prefix) to its
 :class:`SourceKind`; :func:`build_sources` builds what the config enables. Adding a source is one
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from . import folder, mlflow
+from . import folder, mlflow, s3
 from .base import (
     NOTE_PREFIX,
     Cursors,
@@ -60,6 +62,7 @@ if TYPE_CHECKING:
 REGISTRY: dict[str, SourceKind] = {
     folder.FolderSource.name: SourceKind(folder.build),
     mlflow.NAME: SourceKind(mlflow.build, still_available=mlflow.version_exists),
+    s3.NAME: SourceKind(s3.build, still_available=s3.offline_check),
 }
 
 
