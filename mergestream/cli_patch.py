@@ -61,10 +61,17 @@ def apply_patch_cmd(model_dir: str, patch: str, out: str, as_json: bool) -> None
 @click.option("--source-version", help="recorded source version (default: the source folder's name)")
 @click.option("--target-version", help="recorded target version (default: the target folder's name)")
 @click.option("--policy", default="", help="recorded policy (default: the target's mergestream.policy metadata)")
+@click.option("--format", "patch_format", type=click.Choice(["1", "2"]), default="1", show_default=True,
+              help="1: index lists (every apply-patch reads it); 2: bitmasks for denser changes (smaller)")
+@click.option("--zstd", "zstd_level", type=click.IntRange(1, 22), help="format 2: zstd level of each payload")
 @click.option("--json", "as_json", is_flag=True, help="print the statistics as JSON")
 def make_patch_cmd(from_dir: str, to_dir: str, out: str, source_version: str | None, target_version: str | None,
-                   policy: str, as_json: bool) -> None:
-    """Build the exact patch "--from-dir -> --to-dir" between two model folders."""
+                   policy: str, patch_format: str, zstd_level: int | None, as_json: bool) -> None:
+    """Build the exact patch "--from-dir -> --to-dir" between two model folders.
+
+    Format 2 (``--format 2``, optionally ``--zstd LEVEL``) needs a mergestream that reads patch
+    format 2 on the applying side; format 1 is read by every version.
+    """
     from .errors import MergestreamError
     from .patch_build import build_patch
 
@@ -72,7 +79,7 @@ def make_patch_cmd(from_dir: str, to_dir: str, out: str, source_version: str | N
         stats = build_patch(from_dir, to_dir, out,
                             source_version=source_version if source_version is not None else Path(from_dir).name,
                             target_version=target_version if target_version is not None else Path(to_dir).name,
-                            policy=policy)
+                            policy=policy, patch_format=int(patch_format), zstd_level=zstd_level)
     except (MergestreamError, OSError) as exc:
         _fail(exc)
     _report(stats, as_json, f"{stats['path']}: {stats['patch_bytes']:,} bytes, {stats['ratio']:.2%} of the model "

@@ -29,7 +29,17 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from .errors import MergestreamError, OutputExistsError
-from .patches import DENSE, PATCH_FORMAT, SPARSE_INDICES, SPARSE_VALUES, PatchError, Weights, canonical_header
+from .patch_codec import MASK, ZSTD, compress, encode_mask, mask_bytes
+from .patches import (
+    DENSE,
+    PATCH_FORMAT,
+    PATCH_FORMAT_2,
+    SPARSE_INDICES,
+    SPARSE_VALUES,
+    PatchError,
+    Weights,
+    canonical_header,
+)
 from .st import WEIGHTS_HASH_TAG, TensorEntry, encode_header, u64le
 
 log = logging.getLogger(__name__)
@@ -55,7 +65,22 @@ class _Spool:
         self.fh = fh
         self.hash = hashlib.sha256()
         self.entries: dict[str, dict[str, Any]] = {}
+        self.compressed: dict[str, list] = {}
         self.offset = 0
+
+    def put(self, name: str, dtype: str, shape: list[int], data: np.ndarray, zstd_level: int | None) -> None:
+        """Spool one whole payload; with ``zstd_level``, as ``zstd/<name>`` when that is smaller
+        (its dtype/shape recorded in ``self.compressed``)."""
+        raw = memoryview(np.ascontiguousarray(data)).cast("B")
+        if zstd_level is not None:
+            packed = compress(raw, zstd_level)
+            if len(packed) < len(raw):
+                self.compressed[name] = [dtype, shape]
+                self.begin(ZSTD + name, "U8", [len(packed)])
+                self.write(ZSTD + name, np.frombuffer(packed, np.uint8))
+                return
+        self.begin(name, dtype, shape)
+        self.write(name, data)
 
     def begin(self, name: str, dtype: str, shape: list[int]) -> None:
         self.entries[name] = {"dtype": dtype, "shape": shape, "data_offsets": [self.offset, self.offset]}
@@ -91,6 +116,30 @@ def _encode_tensor(spool: _Spool, name: str, s: np.ndarray, d: np.ndarray, e: Te
     return "sparse"
 
 
+def _encode_tensor_v2(spool: _Spool, name: str, s: np.ndarray, d: np.ndarray, e: TensorEntry,
+                      zstd_level: int | None) -> str:
+    """Format 2: the smallest of index list, bitmask and dense for one changed tensor (each payload
+    optionally zstd-compressed). Returns ``"unchanged"``, ``"sparse"`` or ``"dense"``."""
+    changed = np.concatenate([m for _, m in _changed_mask_chunks(s, d)]) if d.size else np.zeros(0, bool)
+    nnz = int(np.count_nonzero(changed))
+    if nnz == 0:
+        return "unchanged"
+    itemsize = d.dtype.itemsize
+    idx_code, idx_dtype = ("I32", np.dtype("<i4")) if d.size <= _I32_LIMIT else ("I64", np.dtype("<i8"))
+    costs = {"dense": e.nbytes, "indices": nnz * (idx_dtype.itemsize + itemsize),
+             "mask": mask_bytes(d.size) + nnz * itemsize}
+    best = min(costs, key=costs.get)
+    if best == "dense":
+        spool.put(DENSE + name, e.dtype, list(e.shape), d, zstd_level)
+        return "dense"
+    if best == "indices":
+        spool.put(SPARSE_INDICES + name, idx_code, [nnz], np.flatnonzero(changed).astype(idx_dtype), zstd_level)
+    else:
+        spool.put(MASK + name, "U8", [mask_bytes(d.size)], encode_mask(changed), zstd_level)
+    spool.put(SPARSE_VALUES + name, e.dtype, [nnz], d[changed], zstd_level)
+    return "sparse"
+
+
 def _open(path: str | os.PathLike, role: str) -> Weights:
     try:
         return Weights(path)
@@ -106,7 +155,7 @@ def _layout(w: Weights) -> dict[str, Any]:
 
 def build_patch(src_model_dir: str | os.PathLike, dst_model_dir: str | os.PathLike, out_file: str | os.PathLike,
                 *, source_version: str, target_version: str, policy: str = "",
-                overwrite: bool = False) -> dict[str, Any]:
+                overwrite: bool = False, patch_format: int = 1, zstd_level: int | None = None) -> dict[str, Any]:
     """Write the patch "source -> target" to ``out_file`` (safetensors; format in :mod:`mergestream.patches`).
 
     Streams tensor by tensor over the union of both models' tensor names in canonical order,
@@ -121,6 +170,10 @@ def build_patch(src_model_dir: str | os.PathLike, dst_model_dir: str | os.PathLi
         source_version / target_version: recorded as strings in the metadata.
         policy: recorded in the metadata; empty: the target's ``mergestream.policy`` metadata, if any.
         overwrite: replace an existing ``out_file`` (atomically) instead of refusing.
+        patch_format: 1 (index lists; every agent applies it) or 2 (adds bitmasks and zstd;
+            :mod:`mergestream.patch_codec`).
+        zstd_level: format 2 only: compress each payload with Zstandard at this level (1-22)
+            when that makes it smaller; None: no compression.
 
     Returns:
         ``{"patch_bytes"`` (size of the patch file), ``"model_bytes"`` (size of the target's weight
@@ -134,6 +187,9 @@ def build_patch(src_model_dir: str | os.PathLike, dst_model_dir: str | os.PathLi
         PatchBuildError: a model cannot be read (missing, truncated, malformed).
     """
     out = Path(out_file)
+    if patch_format not in (1, 2) or (zstd_level is not None and patch_format != 2):
+        raise PatchBuildError(f"patch format {patch_format} with zstd level {zstd_level}: formats are 1 and 2, "
+                              "zstd needs format 2")
     if out.exists() and not overwrite:
         raise OutputExistsError(f"{out} already exists; choose a new output path")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -164,9 +220,14 @@ def build_patch(src_model_dir: str | os.PathLike, dst_model_dir: str | os.PathLi
                     if de is None:
                         removed.append(name)
                     elif se is None or (se.dtype, se.shape) != (de.dtype, de.shape):
-                        spool.begin(DENSE + name, de.dtype, list(de.shape))
-                        spool.write(DENSE + name, d)
+                        if patch_format == 2:
+                            spool.put(DENSE + name, de.dtype, list(de.shape), d, zstd_level)
+                        else:
+                            spool.begin(DENSE + name, de.dtype, list(de.shape))
+                            spool.write(DENSE + name, d)
                         counts["added" if se is None else "dense"] += 1
+                    elif patch_format == 2:
+                        counts[_encode_tensor_v2(spool, name, s, d, de, zstd_level)] += 1
                     else:
                         counts[_encode_tensor(spool, name, s, d, de)] += 1
                     del s, d
@@ -178,7 +239,7 @@ def build_patch(src_model_dir: str | os.PathLike, dst_model_dir: str | os.PathLi
                      "tensors_added": counts["added"], "tensors_removed": len(removed),
                      "tensors_unchanged": counts["unchanged"]}
             meta = {
-                "patch_format": PATCH_FORMAT,
+                "patch_format": PATCH_FORMAT if patch_format == 1 else PATCH_FORMAT_2,
                 "source_version": str(source_version),
                 "target_version": str(target_version),
                 "source_sha256": h_src.hexdigest(),
@@ -190,6 +251,8 @@ def build_patch(src_model_dir: str | os.PathLike, dst_model_dir: str | os.PathLi
                 "target_layout": json.dumps(_layout(dst)),
                 "stats": json.dumps(stats, sort_keys=True),
             }
+            if spool.compressed:
+                meta["compressed"] = json.dumps(spool.compressed, sort_keys=True)
             header = {"__metadata__": meta, **spool.entries}
             spool.hash.update(canonical_header(header))
             meta["payload_sha256"] = spool.hash.hexdigest()

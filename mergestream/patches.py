@@ -13,14 +13,17 @@ Weights hash (:func:`weights_sha256`)
     independent of sharding, header layout and ``__metadata__``), defined in :mod:`mergestream.st`;
     ``Checkpoint.sha256()`` computes the same value.
 
-Patch file (a safetensors file, format ``mergestream-patch/1``)
+Patch file (a safetensors file, format ``mergestream-patch/1`` or ``/2``)
     Tensors, for each target tensor that differs from the source (omitted when bit-identical):
 
     * ``dense/<name>``: the new tensor, in the target's dtype and shape (changed dtype or shape,
       added tensor, or a change where sparse is not smaller);
     * ``sparse.indices/<name>`` (``I32`` when numel ≤ 2³¹, else ``I64``; 1-D, ascending flat
       C-order indices) and ``sparse.values/<name>`` (target dtype, 1-D): used when
-      ``nnz·(index bytes + itemsize) < nbytes``.
+      ``nnz·(index bytes + itemsize) < nbytes``;
+    * format 2 adds ``sparse.mask/<name>`` (a changed-entry bitmask, paired with
+      ``sparse.values/<name>``) and ``zstd/<payload>`` (any payload above, Zstandard-compressed;
+      metadata ``compressed`` gives its uncompressed dtype and shape): see :mod:`mergestream.patch_codec`.
 
     ``__metadata__`` (strings): ``patch_format``, ``source_version``, ``target_version``,
     ``source_sha256``, ``target_sha256`` (weights hashes above), ``policy``, ``payload_bytes``
@@ -55,6 +58,7 @@ from typing import Any
 
 import numpy as np
 
+from .patch_codec import MASK, decode_mask, decompress, logical_entries
 from .st import (
     DTYPE_SIZES,
     WEIGHTS_HASH_TAG,
@@ -71,6 +75,7 @@ from .st import (
 )
 
 PATCH_FORMAT = "mergestream-patch/1"
+PATCH_FORMAT_2 = "mergestream-patch/2"
 INDEX_SUFFIX = ".safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 #: Files never copied as "non-weight files" of a model folder.
@@ -282,6 +287,8 @@ class Patch:
         files: the target's weight files (verbatim headers). index: ``(name, text)`` or None.
         target: ``{name: TensorEntry}`` of the target (``file`` is the target file's name).
         dense: ``{name: patch TensorEntry}``. sparse: ``{name: (indices entry, values entry)}``.
+        masked: ``{name: (bitmask entry, values entry)}`` (format 2). compressed: ``{payload name:
+        stored zstd entry}`` (format 2; the payload's own entry has its uncompressed dtype/shape).
         payload_bytes: bytes of tensor data in the patch. model_bytes: bytes of the target's
         weight files.
     """
@@ -301,6 +308,15 @@ class Patch:
     sparse: dict[str, tuple[TensorEntry, TensorEntry]]
     payload_bytes: int
     model_bytes: int
+    masked: dict[str, tuple[TensorEntry, TensorEntry]]
+    compressed: dict[str, TensorEntry]
+
+    def payload(self, pw: Weights, entry: TensorEntry) -> np.ndarray:
+        """A payload's raw bytes (``uint8``, writable), decompressed when stored compressed."""
+        stored = self.compressed.get(entry.name)
+        if stored is None:
+            return pw.read(entry.name)
+        return decompress(pw.read(stored.name), entry.nbytes, f"patch {self.path}: {entry.name}")
 
     def summary(self) -> dict[str, Any]:
         """JSON-friendly description (versions, hashes, counts, byte sizes)."""
@@ -308,7 +324,7 @@ class Patch:
                 "source_version": self.source_version, "target_version": self.target_version,
                 "source_sha256": self.source_sha256, "target_sha256": self.target_sha256,
                 "policy": self.policy, "payload_bytes": self.payload_bytes, "model_bytes": self.model_bytes,
-                "tensors_dense": len(self.dense), "tensors_sparse": len(self.sparse),
+                "tensors_dense": len(self.dense), "tensors_sparse": len(self.sparse) + len(self.masked),
                 "tensors_removed": len(self.removed), "target_tensors": len(self.target)}
 
 
@@ -338,8 +354,9 @@ def read_patch(patch_path: str | os.PathLike) -> Patch:
     hdr = read_header(path)
     meta = hdr.metadata
     fmt = meta.get("patch_format")
-    if fmt != PATCH_FORMAT:
-        raise PatchError(f"{where}: not a mergestream patch (patch_format {fmt!r}, expected {PATCH_FORMAT!r})")
+    if fmt not in (PATCH_FORMAT, PATCH_FORMAT_2):
+        raise PatchError(f"{where}: not a mergestream patch (patch_format {fmt!r}, expected {PATCH_FORMAT!r} "
+                         f"or {PATCH_FORMAT_2!r})")
     for key in ("source_sha256", "target_sha256", "payload_sha256", "payload_bytes"):
         if key not in meta:
             raise PatchError(f"{where}: metadata {key!r} is missing")
@@ -397,8 +414,10 @@ def read_patch(patch_path: str | os.PathLike) -> Patch:
     dense: dict[str, TensorEntry] = {}
     indices: dict[str, TensorEntry] = {}
     values: dict[str, TensorEntry] = {}
-    for e in hdr.entries:
-        for prefix, bucket in ((DENSE, dense), (SPARSE_INDICES, indices), (SPARSE_VALUES, values)):
+    masks: dict[str, TensorEntry] = {}
+    entries, compressed = logical_entries(hdr, fmt == PATCH_FORMAT, where)
+    for e in entries:
+        for prefix, bucket in ((DENSE, dense), (SPARSE_INDICES, indices), (SPARSE_VALUES, values), (MASK, masks)):
             if e.name.startswith(prefix):
                 bucket[e.name[len(prefix):]] = e
                 break
@@ -408,9 +427,15 @@ def read_patch(patch_path: str | os.PathLike) -> Patch:
         t = target.get(name)
         if t is None or (e.dtype, e.shape) != (t.dtype, t.shape):
             raise PatchError(f"{where}: dense entry {name!r} does not match the target tensor")
-    if set(indices) != set(values):
-        raise PatchError(f"{where}: sparse indices and values do not pair up: "
-                         f"{sorted(set(indices) ^ set(values))[:3]}")
+    if set(indices) | set(masks) != set(values) or set(indices) & set(masks):
+        raise PatchError(f"{where}: sparse indices or bitmasks and values do not pair up: "
+                         f"{sorted((set(indices) | set(masks)) ^ set(values))[:3]}")
+    masked: dict[str, tuple[TensorEntry, TensorEntry]] = {}
+    for name, m in masks.items():
+        v, t = values[name], target.get(name)
+        if t is None or name in dense or m.dtype != "U8" or len(v.shape) != 1 or v.dtype != t.dtype:
+            raise PatchError(f"{where}: bitmask entry {name!r} does not match the target tensor")
+        masked[name] = (m, v)
     sparse: dict[str, tuple[TensorEntry, TensorEntry]] = {}
     for name in indices:
         i, v, t = indices[name], values[name], target.get(name)
@@ -427,7 +452,9 @@ def read_patch(patch_path: str | os.PathLike) -> Patch:
     return Patch(path=path, metadata=meta, source_sha256=meta["source_sha256"], target_sha256=meta["target_sha256"],
                  source_version=meta.get("source_version", ""), target_version=meta.get("target_version", ""),
                  policy=meta.get("policy", ""), removed=list(removed), files=files, index=index, target=target,
-                 dense=dense, sparse=sparse, payload_bytes=payload_bytes, model_bytes=model_bytes)
+                 dense=dense, sparse=sparse, payload_bytes=payload_bytes, model_bytes=model_bytes, masked=masked,
+                 compressed=compressed)
+
 
 
 def _plan(patch: Patch, src: Weights) -> None:
@@ -445,14 +472,22 @@ def _plan(patch: Patch, src: Weights) -> None:
         raise PatchError(f"tensor {extra[0]!r} of the model is neither in the patch's target nor listed as removed")
 
 
-def _apply_sparse(buf: np.ndarray, dtype: str, patch_w: Weights, idx_e: TensorEntry, val_e: TensorEntry,
-                  name: str) -> None:
+def _apply_sparse(buf: np.ndarray, dtype: str, patch: Patch, patch_w: Weights, idx_e: TensorEntry,
+                  val_e: TensorEntry, name: str) -> None:
     raw = buf.view(raw_dtype(dtype))
-    idx = patch_w.read(idx_e.name).view(_INDEX_DTYPES[idx_e.dtype])
+    if idx_e.name.startswith(MASK):
+        changed = decode_mask(patch.payload(patch_w, idx_e), raw.size, f"tensor {name!r}")
+        vals = patch.payload(patch_w, val_e).view(raw.dtype)
+        if int(np.count_nonzero(changed)) != vals.size:
+            raise PatchError(f"tensor {name!r}: bitmask marks {int(np.count_nonzero(changed))} entries, "
+                             f"{vals.size} values follow")
+        raw[changed] = vals
+        return
+    idx = patch.payload(patch_w, idx_e).view(_INDEX_DTYPES[idx_e.dtype])
     if idx.size:
         if int(idx.min()) < 0 or int(idx.max()) >= raw.size:
             raise PatchError(f"tensor {name!r}: sparse index out of range for {raw.size} elements")
-        raw[idx] = patch_w.read(val_e.name).view(raw.dtype)
+        raw[idx] = patch.payload(patch_w, val_e).view(raw.dtype)
 
 
 def apply_patch(model_dir: str | os.PathLike, patch_path: str | os.PathLike,
@@ -508,12 +543,13 @@ def apply_patch(model_dir: str | os.PathLike, patch_path: str | os.PathLike,
             for name in sorted(patch.target, key=lambda n: n.encode("utf-8")):
                 t = patch.target[name]
                 if name in patch.dense:
-                    buf = pw.read(patch.dense[name].name)
+                    buf = patch.payload(pw, patch.dense[name])
                     counts["dense"] += 1
                 else:
                     buf = src.read(name)
-                    if name in patch.sparse:
-                        _apply_sparse(buf, t.dtype, pw, *patch.sparse[name], name)
+                    pair = patch.sparse.get(name) or patch.masked.get(name)
+                    if pair is not None:
+                        _apply_sparse(buf, t.dtype, patch, pw, *pair, name)
                         counts["sparse"] += 1
                     else:
                         counts["copied"] += 1

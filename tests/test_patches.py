@@ -46,6 +46,7 @@ POLICY_PARAMS = {
     "mdm_oc": {"rank": 2},
     "opcm": {},
     "magmax": {},
+    "dop": {},
 }
 NO_TORCH = "import sys; sys.modules['torch'] = None; from mergestream.cli_patch import main; main()"
 
