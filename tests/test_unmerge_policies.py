@@ -1,5 +1,5 @@
 """Subtract-unmerge leaves every policy's state as if the expert had never been folded (issue 13,
-R7b): fold A, fold B, subtract B, fold C is fold A, fold C, for all six policies; and what each
+R7b): fold A, fold B, subtract B, fold C is fold A, fold C, for every registered policy; and what each
 policy promises when the removed expert is not the last one."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from .conftest import perturb, random_model, save_tensors
 POLICIES = [("task_arithmetic", {"lambda": 0.7}), ("task_arithmetic", {"lambda": 0.5, "k": 30}),
             ("ties", {"k": 30}), ("safe_merge", {"steps": 3, "k": 4, "k_s": 4, "rank": 2, "k_old": 4}),
             ("mdm_oc", {"alpha": 0.5}), ("mdm_oc", {"alpha": 0.5, "rank": 4}), ("opcm", {"alpha": 0.5}),
-            ("magmax", {"lambda": 0.5})]
+            ("magmax", {"lambda": 0.5}), ("dop", {"alpha": 0.7}), ("dop", {"solver": "adam", "steps": 3})]
 IDS = [f"{p}-{'-'.join(f'{k}{v}' for k, v in q.items())}" for p, q in POLICIES]
 
 

@@ -15,18 +15,22 @@ from typing import Any
 
 from ..errors import PolicyError
 from .base import Policy, PolicyParams, TensorContext, TensorFold
+from .dop import Dop
+from .lines import Lines, split_lines_params, with_lines
 from .mdm_oc import MdmOc, cmaes_coefficients, stability_penalty
 from .opcm import Opcm
 from .safe_merge import SafeMerge
 from .task_arithmetic import MagMax, TaskArithmetic, Ties
 
 REGISTRY: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (TaskArithmetic, Ties, SafeMerge, MdmOc, Opcm, MagMax)
+    cls.name: cls for cls in (TaskArithmetic, Ties, SafeMerge, MdmOc, Opcm, MagMax, Dop)
 }
 
 
 def make_policy(name: str, params: dict[str, Any] | None = None) -> Policy:
     """Instantiate a registered policy by name.
+
+    ``lines_*`` parameters (any policy) wrap it in LiNeS depth scaling (:mod:`.lines`).
 
     Raises:
         PolicyError: unknown name or invalid parameters (each named, as the policy's
@@ -34,7 +38,10 @@ def make_policy(name: str, params: dict[str, Any] | None = None) -> Policy:
     """
     if name not in REGISTRY:
         raise PolicyError(f"unknown policy {name!r}; known: {', '.join(policy_names())}")
-    return REGISTRY[name](params)
+    if isinstance(params, PolicyParams):
+        return REGISTRY[name](params)
+    own, lines = split_lines_params(params)
+    return with_lines(REGISTRY[name](own), lines)
 
 
 def policy_names() -> list[str]:
@@ -54,5 +61,5 @@ def parameter_names(name: str) -> list[str]:
 
 
 __all__ = ["REGISTRY", "Policy", "PolicyParams", "TensorContext", "TensorFold", "make_policy", "parameter_names",
-           "policy_names", "cmaes_coefficients", "stability_penalty", "MdmOc", "Opcm", "SafeMerge", "MagMax",
+           "policy_names", "cmaes_coefficients", "stability_penalty", "Dop", "Lines", "MdmOc", "Opcm", "SafeMerge", "MagMax",
            "TaskArithmetic", "Ties"]

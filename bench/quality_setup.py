@@ -1,0 +1,222 @@
+"""Inputs of ``bench/quality.py``: policy parameters, recipes, the held-out validation split, the
+LP-FT rule and where results go. Pure functions over files and dicts (no model is loaded here), so
+they are tested cheaply (tests/test_quality_tooling.py).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import hashlib
+import json
+import os
+import random
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mergestream import experts as X
+from mergestream.errors import MergestreamError
+from mergestream.policies import make_policy
+
+#: where the checked-in results live; written only when ``--out`` names it
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+class BenchInputError(MergestreamError):
+    """A benchmark option or config file that cannot be used (the message names it)."""
+
+
+def parse_value(text: str) -> Any:
+    """A ``--set``/``--recipe`` value, typed: ``64`` int, ``0.5`` / ``3e-5`` float, ``true`` bool,
+    ``null`` None, a YAML/JSON list or mapping, anything else the string itself."""
+    for conv in (int, float):
+        try:
+            return conv(text)
+        except ValueError:
+            pass
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def parse_sets(items: list[str]) -> dict[str, dict[str, Any]]:
+    """``--set LABEL.NAME=VALUE`` options as {label: {name: value}}.
+
+    LABEL is a policy (``dop``: the row and its variants) or a row label (``opcm+lines``: that row
+    only); NAME a parameter as in the README's policy table (``lambda``, ``alpha``, ``lines_alpha``).
+
+    Raises:
+        BenchInputError: an item without ``=`` or without ``LABEL.``.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        lab, dot, name = key.strip().partition(".")
+        if not eq or not dot or not lab or not name:
+            raise BenchInputError(f"--set expects LABEL.NAME=VALUE (e.g. dop.alpha=0.7), got {item!r}")
+        out.setdefault(lab, {})[name.strip()] = parse_value(value.strip())
+    return out
+
+
+def load_config(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
+    """A YAML/JSON config file ``{params: {LABEL: {NAME: VALUE}}}`` (the same shape as ``--set``).
+
+    Raises:
+        BenchInputError: unreadable file, or not that shape.
+    """
+    try:
+        doc = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise BenchInputError(f"config {path}: {exc}") from None
+    params = doc.get("params", {}) if isinstance(doc, dict) else None
+    if not isinstance(params, dict) or not all(isinstance(v, dict) for v in params.values()):
+        raise BenchInputError(f"config {path}: expected 'params: {{LABEL: {{NAME: VALUE}}}}'")
+    unknown = set(doc) - {"params"}
+    if unknown:
+        raise BenchInputError(f"config {path}: unknown keys {sorted(unknown)} (known: params)")
+    return {str(k): dict(v) for k, v in params.items()}
+
+
+def merge_overrides(*layers: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Later layers win, name by name (the config file first, then ``--set``)."""
+    out: dict[str, dict[str, Any]] = {}
+    for layer in layers:
+        for lab, params in layer.items():
+            out.setdefault(lab, {}).update(params)
+    return out
+
+
+def apply_overrides(pols: list[tuple[str, str, dict[str, Any]]], overrides: dict[str, dict[str, Any]]
+                    ) -> list[tuple[str, str, dict[str, Any]]]:
+    """The benchmark rows with overrides applied: a policy's first, then the row label's.
+
+    Raises:
+        BenchInputError: an override names no row of the plan. PolicyError: a row's parameters are
+            invalid for its policy (checked here, before any model is loaded).
+    """
+    labels = {p + v for p, v, _ in pols} | {p for p, _, _ in pols}
+    stray = sorted(set(overrides) - labels)
+    if stray:
+        raise BenchInputError(f"parameters for {', '.join(stray)}: no such row; rows: {', '.join(sorted(labels))}")
+    out = []
+    for pol, var, params in pols:
+        p = {**params, **overrides.get(pol, {}), **(overrides.get(pol + var, {}) if var else {})}
+        make_policy(pol, p)
+        out.append((pol, var, p))
+    return out
+
+
+def parse_recipe(text: str) -> dict[str, Any]:
+    """``--recipe``: ``k=v,k=v`` or a YAML/JSON mapping, each value typed (``lr=3e-5`` float,
+    ``max_train=64`` int, ``head_init=lp`` string), checked against :class:`mergestream.experts.Recipe`.
+
+    Raises:
+        BenchInputError: a malformed item or an unknown recipe field.
+    """
+    text = text.strip()
+    if not text:
+        return {}
+    if text.startswith("{"):
+        try:
+            got = json.loads(text)
+        except ValueError:
+            got = parse_value(text)
+        if not isinstance(got, dict):
+            raise BenchInputError(f"--recipe: not a mapping: {text!r}")
+        over = {str(k): v for k, v in got.items()}
+    else:
+        over = {}
+        for item in text.split(","):
+            k, eq, v = item.partition("=")
+            if not eq or not k.strip():
+                raise BenchInputError(f"--recipe expects name=value items, got {item!r}")
+            over[k.strip()] = parse_value(v.strip())
+    fields = {f.name: str(f.type) for f in dataclasses.fields(X.Recipe)}
+    bad = sorted(set(over) - set(fields))
+    if bad:
+        raise BenchInputError(f"--recipe: unknown field(s) {', '.join(bad)}; known: {', '.join(sorted(fields))}")
+    for k, v in over.items():  # YAML reads 1e-4 as a string: the field's type decides
+        if isinstance(v, str) and fields[k].startswith(("float", "int")):
+            try:
+                over[k] = float(v) if fields[k].startswith("float") else int(v)
+            except ValueError:
+                raise BenchInputError(f"--recipe: {k}={v!r} is not a {fields[k]}") from None
+    return over
+
+
+def default_out() -> Path:
+    """A new scratch folder for results (the checked-in ``bench/results`` only when asked)."""
+    return Path(tempfile.mkdtemp(prefix="ms-quality-results-"))
+
+
+# ------------------------------------------------------------------------------------------
+# Held-out validation split, carved before the experts are trained
+# ------------------------------------------------------------------------------------------
+def carve_validation(src: Path, dst: Path, tasks: list[str], n_val: int, seed: int = 7) -> Path:
+    """A copy of the data folder whose task files mark ``n_val`` seeded train rows per task as
+    split ``val``: experts built from ``dst`` never train on them (``load_task`` reads only
+    ``train``/``test``), so tuning on them is out of sample. ``general/`` and ``raw/`` are linked.
+
+    Args:
+        src: the shared data folder (``tasks/``, ``general/``, ``raw/``).
+        dst: folder to create (reused when its content is already the same).
+
+    Returns:
+        ``dst``. Raises BenchInputError when a task has no more than ``n_val`` train rows.
+    """
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / "tasks").mkdir(exist_ok=True)
+    for sub in ("general", "raw"):
+        link = dst / sub
+        if not link.exists() and (src / sub).exists():
+            link.symlink_to((src / sub).resolve(), target_is_directory=True)
+    for t in tasks:
+        with open(src / "tasks" / f"{t}.tsv", newline="", encoding="utf-8") as fh:
+            reader = csv.DictReader(fh, delimiter="\t")
+            header, rows = reader.fieldnames or [], list(reader)
+        train_idx = [i for i, r in enumerate(rows) if r["split"] == "train"]
+        if len(train_idx) <= n_val:
+            raise BenchInputError(f"task {t}: {len(train_idx)} train rows, cannot carve {n_val} validation rows")
+        for i in random.Random(seed).sample(train_idx, n_val):
+            rows[i]["split"] = "val"
+        path = dst / "tasks" / f"{t}.tsv"
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "w", newline="", encoding="utf-8") as fh:
+            w = csv.DictWriter(fh, fieldnames=header, delimiter="\t", lineterminator="\n")
+            w.writeheader()
+            w.writerows(rows)
+        if path.exists() and path.read_bytes() == tmp.read_bytes():
+            tmp.unlink()
+        else:
+            tmp.replace(path)
+    return dst
+
+
+def validation_rows(data: Path, task: str) -> list[tuple[str, str | None, int]]:
+    """The ``val`` rows of a carved task file, labelled as :func:`mergestream.experts.load_task` labels."""
+    td = X.load_task(task, data)
+    idx = {lab: i for i, lab in enumerate(td.classes)}
+    with open(Path(data) / "tasks" / f"{task}.tsv", newline="", encoding="utf-8") as fh:
+        return [(r["text"], r.get("text2") or None, idx[r["label"]]) for r in csv.DictReader(fh, delimiter="\t")
+                if r["split"] == "val"]
+
+
+def carved_folder(root: Path, tasks: list[str], n_val: int, seed: int = 7) -> Path:
+    """A stable folder name for a carve (same tasks, rows and seed → same folder, same experts)."""
+    tag = hashlib.sha256(f"{sorted(tasks)}|{n_val}|{seed}".encode()).hexdigest()[:12]
+    return root / f"data-val{n_val}-{tag}"
+
+
+# ------------------------------------------------------------------------------------------
+# LP-FT by a measurable rule
+# ------------------------------------------------------------------------------------------
+def needs_lpft(expert_val_acc: float, probe_val_acc: float, margin: float = 0.0) -> bool:
+    """LP-FT when the fine-tuned expert (random head) is not better than a linear probe on frozen θ₀,
+    both measured on the held-out validation rows: full fine-tuning then lost what the frozen
+    features already had, the case LP-FT targets (Kumar et al., ICLR 2022)."""
+    return expert_val_acc < probe_val_acc + margin
+

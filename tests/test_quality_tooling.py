@@ -1,0 +1,163 @@
+"""bench/quality.py tooling, cheaply: parameters without code changes, results to a scratch folder,
+a held-out validation split carved before training, JSON before plots, typed recipes. No model is
+trained or folded here."""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from mergestream import experts as X
+from mergestream.errors import PolicyError
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+sys.path.insert(0, str(BENCH))
+
+import quality  # noqa: E402
+import quality_report as R  # noqa: E402
+import quality_setup as S  # noqa: E402
+
+
+def _args(*argv):
+    return quality.build_parser().parse_args(list(argv))
+
+
+def test_set_and_config_reach_the_rows_and_the_md(tmp_path):
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text("params:\n  dop: {alpha: 0.6}\n  opcm+lines: {lines_beta: 0.3}\n  task_arithmetic: {lambda: 0.2}\n")
+    pols, over = quality.select_policies(_args("--config", str(cfg), "--set", "dop.alpha=0.7",
+                                               "--set", "dop+lines.lines_alpha=0.25"))
+    rows = {p + v: params for p, v, params in pols}
+    assert rows["dop"]["alpha"] == 0.7 and rows["dop+lines"]["alpha"] == 0.7  # --set wins; variants follow
+    assert rows["dop+lines"]["lines_alpha"] == 0.25 and rows["dop"].get("lines_alpha") is None
+    assert rows["opcm+lines"]["lines_beta"] == 0.3 and rows["opcm"] == {"alpha": 0.5}
+    assert rows["task_arithmetic"]["lambda"] == 0.2 and isinstance(rows["task_arithmetic"]["lambda"], float)
+    line = R.hyper_line({"tuned": False, "overrides": over})
+    assert "dop.alpha=0.7" in line and "opcm+lines.lines_beta=0.3" in line and "defaults" not in line
+    assert "defaults" in R.hyper_line({"tuned": False, "overrides": {}})
+
+
+def test_bad_parameters_fail_before_anything_is_loaded(tmp_path):
+    with pytest.raises(PolicyError, match="alpha"):
+        quality.select_policies(_args("--set", "dop.alpha=7"))
+    with pytest.raises(S.BenchInputError, match="no such row"):
+        quality.select_policies(_args("--set", "nosuch.alpha=1"))
+    with pytest.raises(S.BenchInputError, match="LABEL.NAME=VALUE"):
+        S.parse_sets(["alpha=1"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("dop: {alpha: 1}\n")
+    with pytest.raises(S.BenchInputError, match="params"):
+        S.load_config(bad)
+    with pytest.raises(SystemExit, match="unknown row"):
+        quality.select_policies(_args("--policies", "dop,dopp"))
+
+
+def test_recipe_is_passed_whole_and_typed():
+    assert S.parse_recipe("lr=3e-5,max_train=64,head_init=lp,max_steps=null") == {
+        "lr": 3e-5, "max_train": 64, "head_init": "lp", "max_steps": None}
+    assert S.parse_recipe('{"lr": 1e-4, "epochs": 1}') == {"lr": 1e-4, "epochs": 1}
+    assert S.parse_recipe("") == {}
+    with pytest.raises(S.BenchInputError, match="learning_rate"):
+        S.parse_recipe("learning_rate=1e-4")
+    X.Recipe(**S.parse_recipe("lr=3e-5,max_train=64"))  # what build_expert receives
+
+
+def test_out_defaults_to_a_scratch_folder_and_threads_option():
+    args = _args("--threads", "2")
+    assert args.out is None and args.threads == 2
+    out = S.default_out()
+    try:
+        assert S.RESULTS not in out.resolve().parents and out.resolve() != S.RESULTS.resolve()
+    finally:
+        out.rmdir()
+
+
+def _doc():
+    tasks = ["sms", "trec"]
+    steps = [{"t": 1, "task": "sms", "acc": {"sms": 90.0}, "G": 80.0, "fold_seconds": 1.0, "patch_ratio": None,
+              "ri_seconds": None},
+             {"t": 2, "task": "trec", "acc": {"sms": 88.0, "trec": 70.0}, "G": 79.0, "fold_seconds": 1.0,
+              "patch_ratio": 0.5, "ri_seconds": None}]
+    run = {"policy": "dop", "variant": "", "order_seed": None, "order": tasks, "params": {"alpha": 0.8},
+           "final": {"ACC": 79.0, "BWT": -2.0, "G": 79.0, "H": 79.0, "norm_ACC": 95.0, "fold_seconds_mean": 1.0},
+           "steps": steps, "diag": {"sms": 90.0, "trec": 70.0}}
+    return {"command": "x", "protocol": {"tasks": tasks, "eval_examples": 10, "sts_pairs": 10, "shuffles": 0,
+                                         "final_only_shuffles": False, "tuned": False, "reduced": "",
+                                         "overrides": {"dop": {"alpha": 0.8}}, "validation": "holdout"},
+            "references": {"expert_acc": {"sms": 95.0, "trec": 80.0}, "base_head_acc": {"sms": 50.0, "trec": 20.0},
+                           "linear_probe_acc": {"sms": 90.0, "trec": 70.0}, "expert_G": {"sms": 80.0, "trec": 78.0},
+                           "base_G": 82.0},
+            "runs": [run], "skipped": [], "planned_runs": [["dop", None]]}
+
+
+def test_json_is_written_before_the_plots_and_survives_a_plot_error(tmp_path):
+    seen = []
+
+    def plotter(doc, out):
+        seen.append(json.loads((out / "quality.json").read_text()))  # already on disk
+        raise RuntimeError("no display")
+
+    files = R.save_outputs(_doc(), tmp_path, plotter)
+    assert files == [] and seen and seen[0]["runs"][0]["policy"] == "dop"
+    saved = json.loads((tmp_path / "quality.json").read_text())
+    assert saved["plot_error"] == "RuntimeError: no display" and saved["runs"] == _doc()["runs"]
+    md = (tmp_path / "quality.md").read_text()
+    assert "| dop | alpha=0.8 |" in md and "overrides: dop.alpha=0.8" in md
+
+
+def test_from_json_rerenders_with_real_plots(tmp_path):
+    src = tmp_path / "in.json"
+    src.write_text(json.dumps(_doc()))
+    assert quality.main(["--from-json", str(src), "--out", str(tmp_path / "o")]) == 0
+    got = json.loads((tmp_path / "o" / "quality.json").read_text())
+    assert got["plots"] == ["quality_acc_matrix.png", "quality_curves.png"] and "plot_error" not in got
+    assert all((tmp_path / "o" / f).stat().st_size > 0 for f in got["plots"])
+
+
+def test_validation_rows_are_carved_out_of_train_before_training(tmp_path):
+    src = X.data_root()
+    dst = S.carved_folder(tmp_path, ["sms", "trec"], 50)
+    S.carve_validation(src, dst, ["sms", "trec"], 50)
+    for t in ("sms", "trec"):
+        orig, carved = X.load_task(t, src), X.load_task(t, dst)
+        val = S.validation_rows(dst, t)
+        assert len(val) == 50 and len(carved.train) == len(orig.train) - 50 and carved.test == orig.test
+        assert carved.classes == orig.classes
+        assert not set(val) & set(carved.train)  # what the experts train on never contains them
+        assert set(val) <= set(orig.train)
+    before = (dst / "tasks" / "sms.tsv").read_bytes()
+    S.carve_validation(src, dst, ["sms", "trec"], 50)  # deterministic: same rows, same experts' cache key
+    assert (dst / "tasks" / "sms.tsv").read_bytes() == before
+    with open(dst / "tasks" / "sms.tsv", newline="", encoding="utf-8") as fh:
+        assert {r["split"] for r in csv.DictReader(fh, delimiter="\t")} == {"train", "test", "val"}
+    with pytest.raises(S.BenchInputError, match="cannot carve"):
+        S.carve_validation(src, tmp_path / "too-many", ["sms"], 10_000)
+
+
+def test_lpft_rule_and_variants_tuned_with_their_parent():
+    assert S.needs_lpft(60.0, 70.0) and not S.needs_lpft(75.0, 70.0)
+    pols = [("dop", "", {"alpha": 0.8}), ("dop", "+lines", {"alpha": 0.8, "lines_alpha": 0.5}),
+            ("opcm", "", {"alpha": 0.5}), ("opcm", "+lines", {"alpha": 0.5})]
+    tuned = {"dop": {"param": "alpha", "chosen": 0.9}, "opcm": {"param": "alpha", "chosen": 0.7}}
+    got = {p + v: params for p, v, params in quality.tuned_rows(pols, tuned, {"opcm+lines": {"alpha": 0.3}})}
+    assert got["dop"]["alpha"] == got["dop+lines"]["alpha"] == 0.9 and got["dop+lines"]["lines_alpha"] == 0.5
+    assert got["opcm"]["alpha"] == 0.7 and got["opcm+lines"]["alpha"] == 0.5  # set explicitly: kept
+
+
+def test_gains_table_compares_each_variant_with_its_parent_on_shared_orders(tmp_path):
+    doc = _doc()
+    base = doc["runs"][0]
+    var = json.loads(json.dumps(base))
+    var.update(variant="+lines", params={"alpha": 0.8, "lines_alpha": 0.5})
+    var["final"].update(H=80.5, ACC=81.0, fold_seconds_mean=2.0)
+    lonely = json.loads(json.dumps(var))
+    lonely["order_seed"] = 0  # the parent has no run on this order: not compared
+    lonely["final"]["H"] = 0.0
+    doc["runs"] += [var, lonely]
+    R.save_outputs(doc, tmp_path, lambda d, o: [])
+    md = (tmp_path / "quality.md").read_text()
+    assert "| dop+lines | dop | 1 | +1.5 | +2.0 | +0.0 | +0.0 | 2.0 | 1.0 |" in md
