@@ -62,6 +62,16 @@ creates it on demand; by hand::
 
 If mergekit cannot be installed or fails, its rows record the reason instead of a time.
 
+Ray rows (``--executor ray --workers 1 2``): besides the local rows, each mergestream policy row
+is measured again with ``fold --executor ray`` on a local Ray cluster of N worker CPUs that this
+script starts (``ray start --head --num-cpus N``, outside the timed child, as a deployed cluster
+would be running already) and stops after the row; the child joins it with ``--ray-address``. The
+JSON keeps each Ray task's (bytes, seconds) for the scaling projection (bench/results/ray_scaling.md)::
+
+    .venv/bin/python bench/fold_speed.py --sizes 1GB --policies task_arithmetic safe_merge \
+        --executor ray --workers 1 2 --no-mergekit --no-floor --repeat 1 --workdir /tmp/msbench-ray \
+        --json bench/results/ray_scaling.json --md /tmp/msbench-ray/ray_scaling_table.md
+
 Output: a plain table on stdout and JSON in ``bench/results/fold_speed.json`` (rewritten after
 every row, so an interrupted run keeps what it measured). Generated models, outputs and logs stay
 under ``--workdir`` (default ``/tmp/mergestream-bench``), never in the repository.
@@ -77,6 +87,7 @@ import os
 import platform
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -517,10 +528,62 @@ def floor_child(argv: list[str]) -> int:
     return 0
 
 
-def run_mergestream(ctx: SizeContext, policy: str, sets: dict[str, str], note: str = "", later: bool = False) -> Row:
+class RayHead:
+    """A local Ray cluster of ``cpus`` worker CPUs for the Ray rows (``ray start --head --block``),
+    stopped (its process group terminated) on exit."""
+
+    def __init__(self, cpus: int, logs: Path):
+        self.cpus, self.logs = cpus, logs
+        self.proc: subprocess.Popen | None = None
+        self.address = ""
+
+    def __enter__(self) -> RayHead:
+        ray_exe = Path(sys.executable).parent / "ray"
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        self.address = f"127.0.0.1:{port}"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        log = (self.logs / f"ray-head-{self.cpus}.log").open("w")
+        # a loopback-only throwaway cluster: no token (Ray >= 2.5x enables token auth on `ray start`)
+        self.env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+        self.proc = subprocess.Popen([str(ray_exe), "start", "--head", "--block", f"--port={port}",
+                                      "--node-ip-address=127.0.0.1", f"--num-cpus={self.cpus}",
+                                      "--include-dashboard=false", "--disable-usage-stats"],
+                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=self.env)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            ok = subprocess.run([str(ray_exe), "status", f"--address={self.address}"], capture_output=True, check=False,
+                                env=self.env)
+            if ok.returncode == 0:
+                return self
+            if self.proc.poll() is not None:
+                break
+            time.sleep(1)
+        self.__exit__()
+        raise RuntimeError(f"Ray head did not start; see {self.logs}")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def run_mergestream_ray(ctx: SizeContext, policy: str, sets: dict[str, str], note: str, workers: int) -> Row:
+    """One fold with ``--executor ray`` on a fresh local Ray cluster of ``workers`` CPUs."""
+    with RayHead(workers, ctx.logs) as head:
+        return run_mergestream(ctx, policy, sets, note, ray=head)
+
+
+def run_mergestream(ctx: SizeContext, policy: str, sets: dict[str, str], note: str = "", later: bool = False,
+                    ray: RayHead | None = None) -> Row:
     """One fold with ``mergestream fold`` in a fresh state and output folder: the first fold, or
-    (``later``) a second fold onto the output of an untimed first fold (θ_{t−1} ≠ θ₀)."""
-    tag = f"{ctx.size}-mergestream-{policy}" + ("-later" if later else "")
+    (``later``) a second fold onto the output of an untimed first fold (θ_{t−1} ≠ θ₀); with
+    ``ray``, joined to that Ray cluster (``--executor ray``)."""
+    tag = f"{ctx.size}-mergestream-{policy}" + ("-later" if later else "") + (f"-ray{ray.cpus}" if ray else "")
     state, out, first = ctx.scratch / f"{tag}-state", ctx.scratch / f"{tag}-out", ctx.scratch / f"{tag}-first"
     for p in (state, out, first):
         shutil.rmtree(p, ignore_errors=True)
@@ -531,10 +594,15 @@ def run_mergestream(ctx: SizeContext, policy: str, sets: dict[str, str], note: s
         subprocess.run([*common, "--out", str(first), "--id", "first"], check=True, capture_output=True,
                        env=ctx.args.mergestream_env)
         common += ["--backbone", str(first), "--id", "second"]
+    if ray is not None:
+        common += ["--executor", "ray", "--ray-address", ray.address]
     cmd = [*common, "--out", str(out), "--json"]
-    row = ctx.row("mergestream", policy + (" (later fold)" if later else ""), "")
+    row = ctx.row("mergestream-ray" if ray else "mergestream", policy + (" (later fold)" if later else ""), "")
     row.extra["waited_for_idle_s"] = round(ctx.prepare(), 1)
-    m = run_measured(cmd, ctx.logs, tag, env=ctx.args.mergestream_env, timeout=ctx.args.timeout)
+    env = ctx.args.mergestream_env
+    if ray is not None:
+        env = {**(env or os.environ), "RAY_AUTH_MODE": "disabled"}
+    m = run_measured(cmd, ctx.logs, tag, env=env, timeout=ctx.args.timeout)
     row.written_bytes = tree_bytes(state, out)
     row.extra["output_bytes"] = tree_bytes(out)
     row.extra["state_bytes"] = tree_bytes(state)
@@ -555,6 +623,9 @@ def run_mergestream(ctx: SizeContext, policy: str, sets: dict[str, str], note: s
         shown = [f"{k}={params[k]:g}" if isinstance(params.get(k), float) else f"{k}={params.get(k)}"
                  for k in SHOWN_PARAMS.get(policy, ()) if k in params]
         row.params = " ".join(shown) + (f" ({note})" if note else "")
+        if ray is not None:
+            row.params += f" workers={ray.cpus}"
+            row.extra.update(ray_workers=ray.cpus, ray_tasks=report.get("tasks"))
     shutil.rmtree(state, ignore_errors=True)
     shutil.rmtree(first, ignore_errors=True)
     if later:
@@ -715,7 +786,10 @@ class SizeContext:
 
 
 def row_key(size: str, tool: str, policy: str, params: str) -> tuple[str, str, str, str]:
-    """What identifies a row across runs (the floor has two rows, told apart by their params)."""
+    """What identifies a row across runs (the floor has two rows, told apart by their params; Ray
+    rows by their ``workers=N``)."""
+    if tool == "mergestream-ray":
+        return size, tool, policy, params.rsplit(" ", 1)[-1]
     return size, tool, policy, params if tool == "floor" else ""
 
 
@@ -914,6 +988,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                    help="dtype of the synthetic checkpoints")
     p.add_argument("--threads", type=int, default=0, help="mergestream fold --threads (0: its auto default)")
+    p.add_argument("--executor", choices=["local", "ray"], default="local",
+                   help="ray: also measure every mergestream policy with fold --executor ray (rows per --workers)")
+    p.add_argument("--workers", nargs="+", type=int, default=[1, 2], metavar="N",
+                   help="worker CPUs of the local Ray cluster started for the Ray rows (default: 1 2)")
     p.add_argument("--no-mergekit", action="store_true", help="skip the mergekit rows")
     p.add_argument("--no-floor", action="store_true", help="skip the floor rows")
     p.add_argument("--mergekit-venv", type=Path, default=DEFAULT_MERGEKIT_VENV)
@@ -951,10 +1029,80 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+#: Llama-3-70B's dimensions (untied embeddings), for the Ray projection
+LLAMA_70B = LlamaShape(hidden=8192, intermediate=28672, layers=80, vocab=128256, heads=64, kv_heads=8)
+
+
+def ray_groups(sizes: list[int], workers: int, max_group: int = 1 << 30) -> list[int]:
+    """Bytes of each task the Ray executor makes of tensors of ``sizes`` bytes (in order) on
+    ``workers`` CPUs: consecutive tensors until total / (4 · workers) bytes (at most ``max_group``)."""
+    target = min(max_group, max(1, sum(sizes) // (4 * workers)))
+    groups, cur = [], 0
+    for b in sizes:
+        cur += b
+        if cur >= target:
+            groups.append(cur)
+            cur = 0
+    return groups + ([cur] if cur else [])
+
+
+def list_schedule(durations: list[float], workers: int) -> float:
+    """Makespan of tasks started in order, each on the first free worker (Ray's queue, FIFO)."""
+    free = [0.0] * workers
+    for d in durations:
+        i = min(range(workers), key=free.__getitem__)
+        free[i] += d
+    return max(free, default=0.0)
+
+
+def project_ray(argv: list[str]) -> int:
+    """``_project JSON [--storage-gbs R]``: the makespan of a 70B fold on 8 and 64 workers from the
+    per-task times of the ``workers=1`` Ray rows (see bench/results/ray_scaling.md for the method)."""
+    p = argparse.ArgumentParser(prog="fold_speed.py _project")
+    p.add_argument("json", type=Path)
+    p.add_argument("--storage-gbs", type=float, default=1.0,
+                   help="the driver's storage throughput (GB/s) for its floor: read the expert, write the output "
+                        "and the residual")
+    p.add_argument("--workers", nargs="+", type=int, default=[8, 64])
+    p.add_argument("--from-workers", type=int, default=1, help="take the per-task times of the rows with this many workers")
+    a = p.parse_args(argv)
+    doc = json.loads(a.json.read_text())
+    rows = {(r["policy"], r["extra"].get("ray_workers")): r for r in doc["rows"]
+            if r["tool"] == "mergestream-ray" and not r.get("error")}
+    sizes = [math.prod(s) * 2 for _, s in LLAMA_70B.tensors()]  # bf16
+    total = sum(sizes)
+    print(f"70B: {len(sizes)} tensors, {total / GB:.1f} GB bf16; driver floor at {a.storage_gbs} GB/s: "
+          f"{3 * total / GB / a.storage_gbs:.0f} s (read expert, write output + residual)")
+    print(f"| policy | measured s/GB per task ({a.from_workers} worker(s)) | startup s | 1GB, 2 workers: projected / measured s | "
+          + " | ".join(f"70B on {w} workers: tasks, makespan" for w in a.workers) + " |")
+    print("| --- | --- | --- | --- | " + " | ".join("---" for _ in a.workers) + " |")
+    for (policy, w), row in sorted(rows.items()):
+        if w != a.from_workers or not row["extra"].get("ray_tasks"):
+            continue
+        tasks = row["extra"]["ray_tasks"]
+        rate = sum(t[1] for t in tasks) / sum(t[0] for t in tasks)  # s per byte of θ₀
+        # wall not in tasks (exact with 1 worker: tasks run one after the other; with more, the
+        # first task's start and the last task's end are taken as the makespan's ends)
+        startup = max(0.0, row["seconds"] - (sum(t[1] for t in tasks) if w == 1 else
+                                             list_schedule([t[1] for t in tasks], w)))
+        two = rows.get((policy, 2))
+        small = [math.prod(s) * 2 for _, s in SIZES[row["size"]].tensors()]
+        proj2 = startup + list_schedule([rate * b for b in ray_groups(small, 2)], 2)
+        cells = [f"{rate * GB:.1f}", f"{startup:.1f}", f"{proj2:.1f} / {two['seconds']:.1f}" if two else f"{proj2:.1f} / -"]
+        for wk in a.workers:
+            groups = ray_groups(sizes, wk)
+            span = max(list_schedule([rate * b for b in groups], wk), 3 * total / GB / a.storage_gbs)
+            cells.append(f"{len(groups)}, {(startup + span) / 3600:.2f} h")
+        print(f"| {policy} ({row['params']}) | " + " | ".join(cells) + " |")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["_floor"]:
         return floor_child(argv[1:])
+    if argv[:1] == ["_project"]:
+        return project_ray(argv[1:])
     args = build_parser().parse_args(argv)
     if args.quick:
         args.sizes = ["50MB"]
@@ -1001,6 +1149,11 @@ def main(argv: list[str] | None = None) -> int:
             plan.append((row_key(ctx.size, "mergestream", policy, ""),
                          lambda p=policy, s=sets, n=note: run_mergestream(ctx, p, s, n),
                          args.repeat_slow if slow else args.repeat))
+            if args.executor == "ray":
+                for n in args.workers:
+                    plan.append((row_key(ctx.size, "mergestream-ray", policy, f"workers={n}"),
+                                 lambda p=policy, s=sets, nt=note, n=n: run_mergestream_ray(ctx, p, s, nt, n),
+                                 args.repeat_slow if slow else args.repeat))
             if policy == "task_arithmetic":
                 plan.append((row_key(ctx.size, "mergestream", policy + " (later fold)", ""),
                              lambda p=policy, s=sets: run_mergestream(ctx, p, s, later=True), args.repeat))

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -47,6 +46,7 @@ from .errors import (
     StateError,
 )
 from .expert_readers import DenseExpert, open_expert
+from .fold_tensor import FoldSinks, FoldSpec, MergeSpec, TensorFolder, TensorMerger
 from .inspection import resolve_device
 from .passes import (
     NO_HASH,
@@ -86,7 +86,7 @@ def fold(base: str | os.PathLike, backbone: str | os.PathLike | None, expert: st
          out: str | os.PathLike, expert_id: str | None = None, device: str = "cpu", threads: int | None = 1,
          max_shard_bytes: int = DEFAULT_SHARD_BYTES, objective: Objective | None = None,
          overwrite: bool = False, progress: bool = False, expect_sha256: str | None = None,
-         tensor_hook: Callable[[str], None] | None = None) -> FoldReport:
+         tensor_hook: Callable[[str], None] | None = None, executor: Any = None) -> FoldReport:
     """Fold one expert into the backbone: θ_t = θ_{t−1} + Δ_t, tensor by tensor, reading it once.
 
     Args:
@@ -104,7 +104,10 @@ def fold(base: str | os.PathLike, backbone: str | os.PathLike | None, expert: st
         progress: show a progress bar on a terminal.
         expect_sha256: the content hash the caller recorded (the daemon's ledger); a fold whose
             expert hashes differently (changed since) is refused before anything is committed.
-        tensor_hook: called with each tensor name before it is folded (tests, stop requests).
+        tensor_hook: called with each tensor name before it is folded (tests, stop requests); with
+            a remote executor, on the driver as each tensor is read.
+        executor: None (local threads) or an executor of :mod:`mergestream.executors` that maps
+            the float tensors elsewhere (e.g. Ray); the output and the state are the same bytes.
 
     Returns:
         :class:`FoldReport`.
@@ -154,7 +157,7 @@ def fold(base: str | os.PathLike, backbone: str | os.PathLike | None, expert: st
         loader = ExpertLoader(exp, base_ck, aliases, f"expert {exp.path}", buffers)
         loader.untied = aliases != ties
         return _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, dev, threads,
-                          max_shard_bytes, objective, overwrite, progress, expect_sha256, tensor_hook, t0)
+                          max_shard_bytes, objective, overwrite, progress, expect_sha256, tensor_hook, t0, executor)
     finally:
         exp.close()
         base_ck.close()
@@ -162,7 +165,7 @@ def fold(base: str | os.PathLike, backbone: str | os.PathLike | None, expert: st
 
 
 def _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, dev, threads, max_shard_bytes,
-               objective, overwrite, progress, expect_sha256, tensor_hook, t0) -> FoldReport:
+               objective, overwrite, progress, expect_sha256, tensor_hook, t0, executor=None) -> FoldReport:
     first = cur is base_ck
     n_prev = len(man.folds)
     aliases = loader.aliases
@@ -173,7 +176,6 @@ def _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, 
     store_contrib = not pol.contributions_in_state
     lin = pol.linear_scale() if loader.dense else None
     stats = Stats()
-    state_lock = threading.Lock()
     state_path = sd.new_file("state")
     contrib_path = sd.new_file("contrib", eid) if store_contrib else None
     new_files: list[Path] = [state_path] + ([contrib_path] if contrib_path else [])
@@ -185,61 +187,25 @@ def _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, 
             planned = [{"id": f.id, "sha256": f.sha256} for f in man.folds] + [{"id": eid, "sha256": NO_HASH}]
             writer = ModelWriter(stage, metas, provenance(pol, planned, base_ck), max_shard_bytes)
             try:
+                sinks = FoldSinks(writer, state_writer, contrib, stats)
+                folder = TensorFolder(pol, base_ck, cur, exp, sd.tensor_state, aliases, loader.where, n_prev,
+                                      prev_coeffs, dev, tensor_hook)
+
                 def work(name: str, item) -> None:
-                    kind, e = item
-                    if tensor_hook is not None:
-                        tensor_hook(name)
-                    meta = base_ck.meta(name)
-                    if kind == "frozen":
-                        write_with_aliases(writer, name, e, aliases)
-                        stats.add({}, meta.numel, meta.nbytes)  # θ₀'s copy (the expert's is counted by its reader)
-                        return
-                    if e is not None and lin is None:
-                        check_finite_tensor(name, e, loader.where)
-                    if lin is not None:
-                        residuals.fold_linear(name, e, lin, base_ck, None if first else cur, dev, contrib,
-                                              loader.where)
-                        write_with_aliases(writer, name, e, aliases)
-                        stats.add({}, meta.numel, meta.nbytes * (1 if first else 2))  # θ₀ (and θ_{t−1})
-                        return
-                    b = base_ck.get(name).to(dev, torch.float32)
-                    # θ_{t−1} as stored is kept only when its residual is stored (not for policies
-                    # whose contributions live in their state), so memory stays at a few tensors
-                    prev_s = None
-                    if first:
-                        bb = b.clone()
-                        if contrib is not None:
-                            prev_s = b if meta.dtype == torch.float32 else b.to(meta.dtype)
-                    else:
-                        prev_s = cur.get(name)
-                        bb = prev_s.to(dev, torch.float32, copy=contrib is not None)
-                        if contrib is None:
-                            prev_s = None
-                    tau = exp.task_vector(name, b).to(dev) if e is None else e.to(dev, torch.float32).sub_(b)
-                    if e is None:
-                        check_finite_tensor(name, tau, f"LoRA delta of {loader.where}")
-                    del e
-                    with state_lock:
-                        st = {k: v.to(dev) for k, v in sd.tensor_state(name).items()}
-                    ctx = TensorContext(name, n_prev, prev_coeffs, is_embedding_name(name), seed_of(name))
-                    res = pol.fold_tensor(b, bb, tau, st, ctx)
-                    del b, tau
-                    if not search:  # a coefficient search writes the output once, from the state
-                        result = cast_checked(bb.add_(res.delta, alpha=res.scale), meta.dtype, name)
-                        write_with_aliases(writer, name, result, aliases)
-                        if contrib is not None:
-                            contrib.add(name, result, prev_s)
-                    for k, v in res.state.items():
-                        state_writer.write(f"{name}{SEP}{k}", v.cpu())
-                    stats.add(res.stats, meta.numel, meta.nbytes * (1 if first else 2))  # θ₀ (and θ_{t−1})
+                    folder(name, item, sinks)
 
                 # read ahead only where the fold is I/O-bound (element-wise policies): elsewhere the
                 # math dominates and a prefetched tensor would only add to peak memory
                 # whole-tensor policies hold several float32 copies of each tensor: the largest
                 # tensor runs alone, smaller ones in parallel (memory of --threads 1 at its peak)
-                run_stream(loader.names, loader.load, work, threads=worker_threads(threads), progress=bar,
-                           prefetch=1 if lin is not None else 0, sizes=lambda n: base_ck.meta(n).nbytes,
-                           release=loader.release, budget=None if lin is not None else largest(metas))
+                if executor is not None:  # the float tensors' map elsewhere; frozen ones, order, hash here
+                    spec = FoldSpec(pol, _abs(base), None if first else _abs(cur.path), _abs(expert), _abs(sd.path),
+                                    aliases, loader.where, n_prev, prev_coeffs, str(dev), torch.get_num_threads())
+                    executor.fold(spec, loader, work, sinks, progress=bar, hook=tensor_hook)
+                else:
+                    run_stream(loader.names, loader.load, work, threads=worker_threads(threads), progress=bar,
+                               prefetch=1 if lin is not None else 0, sizes=lambda n: base_ck.meta(n).nbytes,
+                               release=loader.release, budget=None if lin is not None else largest(metas))
                 sha = exp.sha256() if not loader.dense else loader.reader.sha256()
                 if expect_sha256 is not None and sha != expect_sha256:
                     raise CorruptCheckpointError(
@@ -287,9 +253,15 @@ def _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, 
     report = FoldReport(out=str(out), policy=pol.name, params=pol.describe(), experts=[eid],
                         seconds=time.perf_counter() - t0, bytes_read=bytes_read,
                         bytes_written=writer.bytes_written, stats=stats.summary(),
-                        coefficients=[float(c) for c in coeffs] if coeffs else None, search=found, sha256=[sha])
+                        coefficients=[float(c) for c in coeffs] if coeffs else None, search=found, sha256=[sha],
+                        tasks=[[b, s] for b, s in executor.tasks] if executor is not None else None)
     log.info("fold expert=%s policy=%s seconds=%.2f out=%s", eid, pol.name, report.seconds, out)
     return report
+
+
+def _abs(path: str | os.PathLike) -> str:
+    """An input's absolute path, for workers whose working directory is not the driver's."""
+    return str(Path(path).resolve())
 
 
 def _state_reader(path: Path) -> Callable[[str], dict[str, torch.Tensor]]:
@@ -366,11 +338,12 @@ def _rewrite_from_state(pol: Policy, base: Checkpoint, state_path: Path, coeffs:
 def merge(base: str | os.PathLike, experts: list[str | os.PathLike], policy: str | Policy,
           params: dict[str, Any] | None = None, *, out: str | os.PathLike, device: str = "cpu",
           threads: int | None = 1, max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False,
-          progress: bool = False) -> FoldReport:
+          progress: bool = False, executor: Any = None) -> FoldReport:
     """Offline merge of K experts at once: θ = θ₀ + policy.merge_tensor(θ₀, [τ₁..τ_K]).
 
-    Each expert is read once (hashed on the way). Memory: K + 2 tensors per worker. Raises the
-    same errors as :func:`fold`.
+    Each expert is read once (hashed on the way; twice with a remote ``executor``, see
+    :mod:`mergestream.executors`). Memory: K + 2 tensors per worker. Raises the same errors as
+    :func:`fold`.
     """
     pin_mmap_threshold()
     t0 = time.perf_counter()
@@ -400,27 +373,19 @@ def merge(base: str | os.PathLike, experts: list[str | os.PathLike], policy: str
             planned = [{"id": default_expert_id(p), "sha256": NO_HASH} for p in experts]
             writer = ModelWriter(stage, metas, provenance(pol, planned, base_ck), max_shard_bytes)
             try:
-                def work(name: str, items) -> None:
-                    meta = base_ck.meta(name)
-                    if items[0][0] == "frozen":
-                        write_with_aliases(writer, name, items[0][1], aliases)
-                        return
-                    b = base_ck.get(name).to(dev, torch.float32)
-                    taus = []
-                    for (_, e), ld, ex in zip(items, loaders, exps):
-                        if e is None:
-                            taus.append(ex.task_vector(name, b).to(dev))
-                            check_finite_tensor(name, taus[-1], f"LoRA delta of {ld.where}")
-                        else:
-                            check_finite_tensor(name, e, ld.where)
-                            taus.append(e.to(dev, torch.float32).sub_(b))
-                    ctx = TensorContext(name, 0, (), is_embedding_name(name), seed_of(name))
-                    result = cast_checked(b.add_(pol.merge_tensor(b, taus, ctx)), meta.dtype, name)
-                    write_with_aliases(writer, name, result, aliases)
-                    stats.add({}, meta.numel, meta.nbytes * (1 + len(exps)))
+                sinks = FoldSinks(writer, None, None, stats)
+                merger = TensorMerger(pol, base_ck, exps, [ld.where for ld in loaders], aliases, dev)
 
-                run_stream(canonical_order(base_ck), load, work, threads=worker_threads(threads), progress=bar, prefetch=0,
-                           sizes=lambda n: base_ck.meta(n).nbytes, budget=largest(metas))
+                def work(name: str, items) -> None:
+                    merger(name, items, sinks)
+
+                if executor is not None:
+                    spec = MergeSpec(pol, _abs(base), [_abs(e) for e in experts], [ld.where for ld in loaders],
+                                     aliases, str(dev), torch.get_num_threads())
+                    executor.map(spec, canonical_order(base_ck), load, None, base_ck, work, sinks, progress=bar)
+                else:
+                    run_stream(canonical_order(base_ck), load, work, threads=worker_threads(threads), progress=bar,
+                               prefetch=0, sizes=lambda n: base_ck.meta(n).nbytes, budget=largest(metas))
                 shas = [ld.reader.sha256() if ld.dense else e.sha256() for ld, e in zip(loaders, exps)]
                 records = [{"id": default_expert_id(p), "sha256": s} for p, s in zip(experts, shas)]
                 writer.set_metadata(provenance(pol, records, base_ck))

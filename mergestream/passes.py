@@ -49,6 +49,8 @@ class FoldReport:
         search: for CMA-ES coefficients, ``{"evaluations", "objective_start", "objective"}`` (the
             penalised objective at the starting α and at the chosen α; lower is better).
         sha256: the content hash of each expert read (computed on the fold's own pass).
+        tasks: with a remote executor, ``[bytes, seconds]`` of each task (θ₀'s bytes of its tensors,
+            its wall time in the worker); None locally.
     """
 
     out: str
@@ -62,6 +64,7 @@ class FoldReport:
     coefficients: list[float] | None = None
     search: dict[str, float] | None = None
     sha256: list[str] = field(default_factory=list)
+    tasks: list[list[float]] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)

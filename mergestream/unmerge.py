@@ -12,6 +12,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -44,7 +45,7 @@ from .writers import AppendWriter, ModelWriter, staged_output
 def unmerge(state_dir: str | os.PathLike, expert_id: str, mode: str, *, out: str | os.PathLike,
             backbone: str | os.PathLike | None = None, base: str | os.PathLike | None = None,
             device: str = "cpu", threads: int | None = 1, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-            overwrite: bool = False, progress: bool = False) -> FoldReport:
+            overwrite: bool = False, progress: bool = False, executor: Any = None) -> FoldReport:
     """Remove one expert from the backbone the state describes.
 
     Modes:
@@ -64,6 +65,9 @@ def unmerge(state_dir: str | os.PathLike, expert_id: str, mode: str, *, out: str
     ``subtract`` of the most recent fold the state is the one before that fold, so the next fold
     equals the fold that would have come without it (byte for byte where the backbone is).
 
+    ``executor`` (:mod:`mergestream.executors`; None: local threads) runs replay's folds; subtract
+    is one cheap element-wise pass and always runs locally.
+
     Raises:
         StateError: unknown expert, missing contribution, or (replay) an expert file that is gone.
     """
@@ -79,7 +83,7 @@ def unmerge(state_dir: str | os.PathLike, expert_id: str, mode: str, *, out: str
     base = base or man.base
     opts = dict(device=device, threads=threads, max_shard_bytes=max_shard_bytes, overwrite=overwrite)
     if mode == "replay" or len(man.folds) == 1:  # removing the only fold: θ₀ itself, exactly
-        report = replay(sd, k, out=out, base=base, **opts)
+        report = replay(sd, k, out=out, base=base, executor=executor, **opts)
     else:
         report = subtract(sd, k, out=out, base=base, backbone=backbone or man.backbone, progress=progress, **opts)
     report.seconds = time.perf_counter() - t0
@@ -171,7 +175,8 @@ def subtract(sd: StateDir, k: int, *, out, base, backbone, device, threads, max_
                       bytes_read=stats.bytes_read, bytes_written=writer.bytes_written, stats={"mode_subtract": 1.0})
 
 
-def replay(sd: StateDir, k: int, *, out, base, device, threads, max_shard_bytes, overwrite) -> FoldReport:
+def replay(sd: StateDir, k: int, *, out, base, device, threads, max_shard_bytes, overwrite,
+           executor: Any = None) -> FoldReport:
     """Refold every expert but ``k`` from θ₀ (see :func:`unmerge`); updates ``sd``."""
     man = sd.manifest
     remaining = [f for i, f in enumerate(man.folds) if i != k]
@@ -189,7 +194,7 @@ def replay(sd: StateDir, k: int, *, out, base, device, threads, max_shard_bytes,
             report = fold(base, backbone, f.expert, man.policy, params, state_dir=tmp_state, out=step_out,
                           expert_id=f.id, device=device, threads=threads, max_shard_bytes=max_shard_bytes,
                           overwrite=overwrite and step_out == Path(out),
-                          expect_sha256=f.sha256 if f.sha256_kind == "weights" else None)
+                          expect_sha256=f.sha256 if f.sha256_kind == "weights" else None, executor=executor)
             backbone = step_out
         if report is None:  # removing the only expert: the backbone is θ₀ again
             report = copy_base(base, out, overwrite, max_shard_bytes, threads)

@@ -98,7 +98,8 @@ LOWER = ["mergestream.engine", "mergestream.folding", "mergestream.unmerge", "me
          "mergestream.policies", "mergestream.checkpoints", "mergestream.expert_readers", "mergestream.ri",
          "mergestream.experts", "mergestream.text", "mergestream.st", "mergestream.stream", "mergestream.writers",
          "mergestream.residuals", "mergestream.patches", "mergestream.patch_build", "mergestream.inspection",
-         "mergestream.state", "mergestream.config"]
+         "mergestream.state", "mergestream.config", "mergestream.fold_tensor", "mergestream.executors",
+         "mergestream.executors.recording"]
 
 
 @pytest.mark.parametrize("module", [m for m in LOWER if m in MODULES])
@@ -122,6 +123,22 @@ def test_policies_import_nothing_but_their_errors():
         if name.startswith("mergestream.policies"):
             outside = {e for e in edges if not e.startswith("mergestream.policies")}
             assert outside <= {"mergestream.errors"}, f"{name} imports {outside}"
+
+
+def test_only_the_ray_executor_imports_ray():
+    """Ray is an optional extra: one module imports it (anywhere in the file), and importing the
+    engine, the CLI or the daemon does not load it."""
+    importers = set()
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            mods = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+            if any(m == "ray" or m.startswith("ray.") for m in mods):
+                importers.add(name)
+    assert importers == {"mergestream.executors.ray_cluster"}
+    code = ("import sys\nimport mergestream.engine, mergestream.cli, mergestream.daemon.service, mergestream.executors\n"
+            "assert 'ray' not in sys.modules\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
 def test_runtime_import_of_lower_layers_loads_no_daemon():

@@ -237,7 +237,7 @@ def test_compose_matches_dockerfile_and_config():
     doc = compose()
     raw = load_yaml(DEPLOY / "compose.yaml")
     svc = doc["services"]
-    assert set(svc) == {"mergestream", "mlflow", "prometheus", "grafana"}
+    assert {n for n, s in svc.items() if not s.get("profiles")} == {"mergestream", "mlflow", "prometheus", "grafana"}
     d = svc["mergestream"]
     assert d["image"] == IMAGE
     assert (DEPLOY / d["build"]["context"]).resolve() == ROOT
@@ -801,3 +801,58 @@ def test_compose_mlflow_command_serves_the_daemons_host(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         log.close()
+
+
+# -- Ray (issue 15: folds on a Ray cluster) ---------------------------------------------------------
+def test_compose_ray_profile_joins_the_daemon_to_a_head_and_worker():
+    """Profile ``ray``: a head and a worker from the daemon's image (built with the ray extra), on the
+    daemon's volumes at the same paths, read-only; the daemon's executor points at the head."""
+    from mergestream.config import load_config
+
+    raw = load_yaml(DEPLOY / "compose.yaml")
+    svc = interpolate(raw)["services"]
+    head, worker, d = svc["ray-head"], svc["ray-worker"], svc["mergestream"]
+    assert head["profiles"] == ["ray"] and worker["profiles"] == ["ray"]
+    assert head["image"] == worker["image"] == d["image"]
+    assert d["build"]["args"]["EXTRAS"] == "" and interpolate(
+        raw, {"MERGESTREAM_EXTRAS": "[ray]"})["services"]["mergestream"]["build"]["args"]["EXTRAS"] == "[ray]"
+    assert "ARG EXTRAS=" in [f"{w} {r}" for w, r in dockerfile_instructions()]
+    assert head["entrypoint"][:3] == ["ray", "start", "--head"]
+    client_port = next(a.split("=")[1] for a in head["entrypoint"] if a.startswith("--ray-client-server-port="))
+    gcs_port = next(a.split("=")[1] for a in head["entrypoint"] if a.startswith("--port="))
+    assert f"--address=ray-head:{gcs_port}" in worker["entrypoint"]
+    assert d["environment"]["MERGESTREAM_EXECUTOR__ADDRESS"] == f"ray://ray-head:{client_port}"
+    assert d["environment"]["MERGESTREAM_EXECUTOR__KIND"] == "local"  # off unless MERGESTREAM_EXECUTOR=ray
+    ray_env = interpolate(raw, {"MERGESTREAM_EXECUTOR": "ray"})["services"]["mergestream"]["environment"]
+    assert ray_env["MERGESTREAM_EXECUTOR__KIND"] == "ray"
+    cfg = load_config(DEPLOY / "config.yaml")
+    daemon_mounts = {dst: src for src, dst, _ in map(_bind, d["volumes"])}
+    for s in (head, worker):
+        mounts = {dst: (src, mode) for src, dst, mode in map(_bind, s["volumes"])}
+        for path in (str(cfg.base), str(cfg.inbox), str(cfg.state_dir)):
+            assert mounts[path] == (daemon_mounts[path], "ro"), f"{path} differs from the daemon's"
+
+
+def test_k8s_ray_cluster_mounts_the_daemons_volume():
+    """deploy/k8s/ray-cluster.yaml: a KubeRay RayCluster on the daemon's image and volume, with the
+    daemon's paths, and Ray's version pinned as in constraints.txt."""
+    (rc,) = list(yaml.safe_load_all((DEPLOY / "k8s" / "ray-cluster.yaml").read_text()))
+    assert rc["apiVersion"] == "ray.io/v1" and rc["kind"] == "RayCluster"
+    pin = re.search(r"^ray==(\S+)", (ROOT / "constraints.txt").read_text(), re.MULTILINE).group(1)
+    assert rc["spec"]["rayVersion"] == pin
+    dep = k8s_docs()[("Deployment", "mergestream")]["spec"]["template"]["spec"]
+    daemon = {m["mountPath"]: m.get("subPath") for m in dep["containers"][0]["volumeMounts"] if m["name"] == "data"}
+    claim = next(v for v in dep["volumes"] if v["name"] == "data")["persistentVolumeClaim"]["claimName"]
+    pods = [rc["spec"]["headGroupSpec"]["template"]["spec"]] + [g["template"]["spec"]
+                                                                for g in rc["spec"]["workerGroupSpecs"]]
+    for pod in pods:
+        (c,) = pod["containers"]
+        assert c["image"].split(":")[0] == IMAGE.split(":")[0]
+        vols = {v["name"]: v for v in pod["volumes"]}
+        mounts = {m["mountPath"]: m for m in c["volumeMounts"] if m["name"] == "data"}
+        assert vols["data"]["persistentVolumeClaim"]["claimName"] == claim
+        assert {p: m["subPath"] for p, m in mounts.items()} == daemon
+        assert all(m.get("readOnly") for m in mounts.values())
+        assert pod["securityContext"]["runAsNonRoot"]
+    assert "ray-cluster.yaml" not in load_yaml(DEPLOY / "k8s" / "kustomization.yaml")["resources"], \
+        "the base must apply without the KubeRay operator"

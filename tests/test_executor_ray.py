@@ -1,0 +1,208 @@
+"""The Ray executor (issue 15 part 2): a fold on a local Ray cluster (started here, ``num_cpus=2``)
+writes the bytes the local executor writes, for every registered policy; a worker killed mid-fold is
+retried; a fold whose task keeps failing leaves no output and an unchanged state folder."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from mergestream import engine  # noqa: E402
+from mergestream.executors import make_executor  # noqa: E402
+from mergestream.state import StateDir  # noqa: E402
+
+from .conftest import perturb, random_model, save_tensors  # noqa: E402
+from .test_unmerge_policies import IDS, POLICIES  # noqa: E402
+
+#: small tasks, so that every fold here runs as several Ray tasks
+GROUP = 6 * 1024
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """One local Ray instance for the module (its start is paid once): loopback only, without Ray's
+    token authentication (so that the daemon subprocess can join it), never a stale ``ray start``."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("RAY_AUTH_MODE", "disabled")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ray-models")
+    base = random_model(0, torch.bfloat16)
+    bpath = save_tensors(tmp / "base.safetensors", base)
+    experts = [save_tensors(tmp / f"{c}.safetensors", perturb(base, 0.05, 10 + i)) for i, c in enumerate("AB")]
+    return bpath, experts
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _state_bytes(state: Path) -> dict[str, bytes]:
+    """The state's data files by role (their names are random): the per-tensor state and each residual."""
+    man = StateDir(state).manifest
+    out = {"state": (state / man.state_file).read_bytes() if man.state_file else b""}
+    for f in man.folds:
+        out[f"contrib-{f.id}"] = (state / f.contribution).read_bytes() if f.contribution else b""
+        out[f"sha-{f.id}"] = f.sha256.encode()
+    return out
+
+
+def _chain(tmp: Path, tag: str, bpath, experts, policy, params, executor=None, **kw):
+    state, backbone = tmp / f"{tag}-state", None
+    for i, e in enumerate(experts):
+        out = tmp / f"{tag}-{i}"
+        engine.fold(bpath, backbone, e, policy, params, state_dir=state, out=out, expert_id=f"e{i}", threads=1,
+                    executor=executor, **kw)
+        backbone = out
+    return backbone, state
+
+
+@pytest.mark.parametrize(("policy", "params"), POLICIES, ids=IDS)
+def test_ray_fold_equals_local_fold_byte_for_byte(cluster, models, tmp_path, policy, params):
+    bpath, experts = models
+    ex = make_executor("ray", group_bytes=GROUP)
+    out_l, st_l = _chain(tmp_path, "local", bpath, experts, policy, params)
+    out_r, st_r = _chain(tmp_path, "ray", bpath, experts, policy, params, executor=ex)
+    assert len(ex.tasks) > 1, "the fold should have been split into several tasks"
+    assert _files(out_r) == _files(out_l)
+    assert _state_bytes(st_r) == _state_bytes(st_l)
+
+
+def test_ray_cmaes_search_runs_on_the_driver(cluster, models, tmp_path):
+    """MDM-OC with CMA-ES: tasks write the state, the search and the rewrite stay on the driver."""
+    bpath, experts = models
+
+    def objective(alphas, weights):
+        return float(np.sum((np.asarray(alphas) - 0.4) ** 2))
+
+    params = {"alpha": 0.3, "coefficients": "cmaes", "budget": 12, "stability": 0.0, "sigma": 0.3}
+    out_l, st_l = _chain(tmp_path, "local", bpath, experts, "mdm_oc", params, objective=objective)
+    out_r, st_r = _chain(tmp_path, "ray", bpath, experts, "mdm_oc", params,
+                         executor=make_executor("ray", group_bytes=GROUP), objective=objective)
+    assert _files(out_r) == _files(out_l)
+    assert _state_bytes(st_r) == _state_bytes(st_l)
+
+
+def test_ray_replay_unmerge_equals_local(cluster, models, tmp_path):
+    bpath, experts = models
+    params = {"k": 30}
+    _, st_l = _chain(tmp_path, "local", bpath, experts, "ties", params)
+    _, st_r = _chain(tmp_path, "ray", bpath, experts, "ties", params)
+    engine.unmerge(st_l, "e0", "replay", out=tmp_path / "u-local", threads=1)
+    engine.unmerge(st_r, "e0", "replay", out=tmp_path / "u-ray", threads=1,
+                   executor=make_executor("ray", group_bytes=GROUP))
+    assert _files(tmp_path / "u-ray") == _files(tmp_path / "u-local")
+    assert _state_bytes(st_r) == _state_bytes(st_l)
+
+
+def test_a_killed_worker_is_retried_and_the_fold_is_unchanged(cluster, models, tmp_path):
+    bpath, experts = models
+    marker = tmp_path / "killed-once"
+
+    def kill_once(names):  # runs in the worker: the first task to get here dies with its process
+        try:
+            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return
+        os.close(fd)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    ex = make_executor("ray", group_bytes=GROUP, task_hook=kill_once, max_retries=2)
+    out_l, st_l = _chain(tmp_path, "local", bpath, experts, "safe_merge", POLICIES[3][1])
+    out_r, st_r = _chain(tmp_path, "ray", bpath, experts, "safe_merge", POLICIES[3][1], executor=ex)
+    assert marker.exists()
+    assert _files(out_r) == _files(out_l)
+    assert _state_bytes(st_r) == _state_bytes(st_l)
+
+
+def test_a_task_that_keeps_failing_leaves_no_output_and_the_state_unchanged(cluster, models, tmp_path):
+    bpath, experts = models
+    out0, state = _chain(tmp_path, "ray", bpath, experts[:1], "opcm", {"alpha": 0.5})
+    before = _files(state)
+
+    def fail(names):
+        raise RuntimeError("disk on fire")
+
+    ex = make_executor("ray", group_bytes=GROUP, task_hook=fail, max_retries=2)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        engine.fold(bpath, out0, experts[1], "opcm", {"alpha": 0.5}, state_dir=state, out=tmp_path / "next",
+                    expert_id="e1", executor=ex)
+    assert not (tmp_path / "next").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".next")], "a staging folder was left behind"
+    assert _files(state) == before
+
+
+def test_unknown_executor_is_a_clear_error():
+    from mergestream.errors import MergestreamError
+
+    with pytest.raises(MergestreamError, match="unknown executor 'dask'"):
+        make_executor("dask")
+
+
+@pytest.mark.parametrize(("policy", "params"), POLICIES, ids=IDS)
+def test_ray_merge_equals_local_merge_byte_for_byte(cluster, models, tmp_path, policy, params):
+    bpath, experts = models
+    engine.merge(bpath, experts, policy, params, out=tmp_path / "local", threads=1)
+    ex = make_executor("ray", group_bytes=GROUP)
+    engine.merge(bpath, experts, policy, params, out=tmp_path / "ray", threads=1, executor=ex)
+    assert len(ex.tasks) > 1
+    assert _files(tmp_path / "ray") == _files(tmp_path / "local")
+
+
+def test_cli_fold_with_the_ray_executor(cluster, models, tmp_path):
+    """``--executor ray --ray-address``: the CLI joins the running cluster (here in-process)."""
+    from click.testing import CliRunner
+
+    from mergestream.cli import cli
+
+    bpath, experts = models
+    args = ["fold", "--base", str(bpath), "--expert", str(experts[0]), "--policy", "ties", "--set", "k=30",
+            "--threads", "1", "-q"]
+    r = CliRunner().invoke(cli, [*args, "--state", str(tmp_path / "s1"), "--out", str(tmp_path / "o1")])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(cli, [*args, "--state", str(tmp_path / "s2"), "--out", str(tmp_path / "o2"),
+                                 "--executor", "ray"])
+    assert r.exit_code == 0, r.output
+    assert _files(tmp_path / "o2") == _files(tmp_path / "o1")
+    r = CliRunner().invoke(cli, [*args, "--state", str(tmp_path / "s3"), "--out", str(tmp_path / "o3"),
+                                 "--ray-address", "auto"])
+    assert r.exit_code == 2 and "--ray-address needs --executor ray" in r.output
+
+
+def test_daemon_folds_on_the_cluster_its_config_names(cluster, tmp_path):
+    """``executor: {kind: ray, address}``: a real daemon subprocess joins the test's cluster and
+    publishes the same weights as a local fold of the same experts."""
+    from mergestream.checkpoints import read_state_dict
+
+    from .test_daemon import Daemon, scaled_expert, tiny_base
+
+    address = ray.get_runtime_context().gcs_address
+    d = Daemon(tmp_path, {"executor": {"kind": "ray", "address": address}}, env={"RAY_AUTH_MODE": "disabled"})
+    base = tiny_base()
+    src = [save_tensors(tmp_path / "src" / f"e{i}.safetensors", scaled_expert(base, 10 + i)) for i in range(2)]
+    try:
+        d.start()
+        for p in src:
+            (tmp_path / "inbox" / p.name).write_bytes(p.read_bytes())
+            n = int(p.stem[1:]) + 1
+            d.wait(lambda n=n: d.status()["current_version"] == n, 120, f"version {n} never published")
+    finally:
+        assert d.stop() == 0
+    assert "ray fold tasks=" in d.log.read_text(), "the daemon did not fold on Ray"
+    out, _ = _chain(tmp_path, "local", tmp_path / "base.safetensors", src, "task_arithmetic", {"lambda": 0.3})
+    got, want = read_state_dict(tmp_path / "state" / "current" / "model"), read_state_dict(out)
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
