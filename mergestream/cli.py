@@ -73,7 +73,21 @@ def _engine_options(fn):
     fn = click.option("--quiet", "-q", is_flag=True, help="no progress bar (it is shown only on a terminal anyway)")(fn)
     fn = click.option("--max-shard-size", "max_shard_bytes", default=5 * 1024**3, show_default=True,
                       type=click.IntRange(1), help="output shard cap in bytes")(fn)
+    fn = click.option("--executor", default="local", show_default=True, type=click.Choice(["local", "ray"]),
+                      help="where the per-tensor map runs: local threads, or a Ray cluster (pip install "
+                           "'mergestream[ray]'; inputs on storage every worker reaches)")(fn)
+    fn = click.option("--ray-address", help="Ray cluster to join (auto, ray://head:10001); default: RAY_ADDRESS, "
+                                            "else a local Ray instance")(fn)
     return fn
+
+
+def _executor(kind: str, address: str | None):
+    """The engine's executor for ``--executor`` / ``--ray-address`` (None: local threads)."""
+    if address and kind != "ray":
+        raise MergestreamError("--ray-address needs --executor ray")
+    from .executors import make_executor
+
+    return make_executor(kind, address)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -98,7 +112,7 @@ def cli(verbose: int) -> None:
 @_engine_options
 @_fail_cleanly
 def fold_cmd(base, backbone, expert, policy, sets, state_dir, out, expert_id, objective, as_json,
-             device, threads, quiet, max_shard_bytes) -> None:
+             device, threads, quiet, max_shard_bytes, executor, ray_address) -> None:
     """Fold one expert into the backbone with a policy."""
     from .engine import fold
     from .plugins import resolve_callable
@@ -106,7 +120,7 @@ def fold_cmd(base, backbone, expert, policy, sets, state_dir, out, expert_id, ob
     obj = resolve_callable(objective, what="--objective") if objective else None
     rep = fold(base, backbone, expert, policy, _parse_sets(sets), state_dir=state_dir, out=out,
                expert_id=expert_id, device=device, threads=threads, max_shard_bytes=max_shard_bytes,
-               objective=obj, progress=not quiet and not as_json)
+               objective=obj, progress=not quiet and not as_json, executor=_executor(executor, ray_address))
     _report(rep, as_json)
 
 
@@ -119,12 +133,14 @@ def fold_cmd(base, backbone, expert, policy, sets, state_dir, out, expert_id, ob
 @click.argument("experts", nargs=-1, required=True, type=click.Path())
 @_engine_options
 @_fail_cleanly
-def merge_cmd(base, policy, sets, out, as_json, experts, device, threads, quiet, max_shard_bytes) -> None:
+def merge_cmd(base, policy, sets, out, as_json, experts, device, threads, quiet, max_shard_bytes, executor,
+              ray_address) -> None:
     """Merge K experts at once (offline)."""
     from .engine import merge
 
     rep = merge(base, list(experts), policy, _parse_sets(sets), out=out, device=device, threads=threads,
-                max_shard_bytes=max_shard_bytes, progress=not quiet and not as_json)
+                max_shard_bytes=max_shard_bytes, progress=not quiet and not as_json,
+                executor=_executor(executor, ray_address))
     _report(rep, as_json)
 
 
@@ -141,7 +157,7 @@ def merge_cmd(base, policy, sets, out, as_json, experts, device, threads, quiet,
 @_engine_options
 @_fail_cleanly
 def unmerge_cmd(expert, config_path, state_dir, expert_id, mode, out, backbone, base, as_json, device, threads,
-                quiet, max_shard_bytes) -> None:
+                quiet, max_shard_bytes, executor, ray_address) -> None:
     """Remove an expert.
 
     \b
@@ -161,7 +177,8 @@ def unmerge_cmd(expert, config_path, state_dir, expert_id, mode, out, backbone, 
 
     removed = expert_id or expert
     rep = unmerge(state_dir, removed, mode, out=out, backbone=backbone, base=base, device=device,
-                  threads=threads, max_shard_bytes=max_shard_bytes, progress=not quiet and not as_json)
+                  threads=threads, max_shard_bytes=max_shard_bytes, progress=not quiet and not as_json,
+                  executor=_executor(executor, ray_address))
     if as_json:
         _report(rep, True)
     else:
@@ -387,6 +404,15 @@ def _register_patch_commands() -> None:
 
 
 _register_patch_commands()
+
+
+def _register_feed_commands() -> None:
+    from .feed.cli import feed
+
+    cli.add_command(feed)
+
+
+_register_feed_commands()
 
 
 @cli.command("demo", context_settings={"ignore_unknown_options": True, "allow_extra_args": True},

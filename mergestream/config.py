@@ -8,7 +8,7 @@ Relative paths are resolved against the config file's folder (never the working 
 written in the file, left at their default (``inbox``, ``state``) or given in the environment:
 ``base``, ``inbox``, ``state_dir``, ``policy.ri.data``, the ``data`` file of every built-in probe,
 and the local stores of ``mlflow.tracking_uri`` / ``mlflow.registry.tracking_uri`` (``sqlite:///rel.db``,
-``file:rel``, a bare ``rel/mlruns``). ``~`` is expanded. An ``entrypoint`` probe's params are passed
+``file:rel``, a bare ``rel/mlruns``), ``feed.dir`` and ``feed.keys``. ``~`` is expanded. An ``entrypoint`` probe's params are passed
 as written. A :class:`Config` built in code (not by :func:`load_config`) resolves nothing.
 """
 
@@ -52,6 +52,7 @@ class RIConfig(_Section):
     lr: float = Field(1e-5, gt=0, description="AdamW learning rate")
     batch_size: int = Field(16, ge=1)
     max_length: int = Field(64, ge=1, description="tokens per input (Hugging Face features)")
+    eval_every: int = Field(10, ge=0, description="keep the best iterate, evaluated every N steps (0: the last)")
     forward: str | None = Field(None, description="package.module:factory returning a FeatureModel; "
                                                   "default: Hugging Face encoder + pooling of the task probe")
     on_missing_head: Literal["skip", "reject"] = Field(
@@ -154,6 +155,111 @@ class MlflowConfig(_Section):
     webhook: WebhookConfig = Field(default_factory=WebhookConfig)
 
 
+class S3NotifyConfig(_Section):
+    """Optional receiver of bucket notifications (MinIO webhook target, AWS event records): an
+    ObjectCreated event triggers an immediate S3 poll; listing stays the source of truth."""
+
+    enabled: bool = False
+    host: str = "127.0.0.1"
+    port: int = Field(9110, ge=0, le=65535)
+    token: SecretStr | None = Field(None, description="bearer token the notifier sends (use the env override)")
+
+
+class S3Config(_Section):
+    """Take experts from S3-compatible object storage (AWS, MinIO, Ceph, R2); credentials come from
+    the standard AWS chain (environment, ~/.aws, instance/container roles), never from this file."""
+
+    enabled: bool = Field(False, description="poll the bucket")
+    bucket: str | None = Field(None, description="bucket holding experts (required when enabled)")
+    prefix: str = Field("", description="key prefix experts are uploaded under, e.g. experts/")
+    endpoint_url: str | None = Field(None, description="S3-compatible endpoint; default: AWS")
+    region: str | None = Field(None, description="region; default: the AWS chain's, else us-east-1")
+    interval_seconds: float = Field(30.0, gt=0, description="poll period (s)")
+    cache: bool = Field(True, description="download each expert into state_dir/cache/s3 before folding "
+                                          "(the only mode implemented)")
+    notify: S3NotifyConfig = Field(default_factory=S3NotifyConfig)
+
+    @field_validator("prefix")
+    @classmethod
+    def _folder_prefix(cls, v: str) -> str:
+        v = v.lstrip("/")
+        return v if not v or v.endswith("/") else v + "/"
+
+    @model_validator(mode="after")
+    def _complete(self) -> S3Config:
+        if self.enabled and not self.bucket:
+            raise ValueError("s3.enabled needs s3.bucket")
+        if not self.cache:
+            raise ValueError("s3.cache: false (ranged streaming without a local copy) is not implemented")
+        return self
+
+
+class PublishConfig(_Section):
+    """Mirror every published version to object storage, the pointer object ``current`` last."""
+
+    uri: str | None = Field(None, description="s3://bucket/prefix/ to mirror versions to; default: no mirror")
+    endpoint_url: str | None = Field(None, description="S3-compatible endpoint; default: s3.endpoint_url")
+    region: str | None = Field(None, description="region; default: s3.region")
+
+    @field_validator("uri")
+    @classmethod
+    def _s3_uri(cls, v: str | None) -> str | None:
+        if v is not None and (not v.startswith("s3://") or len(v) <= len("s3://") or v[5] == "/"):
+            raise ValueError(f"publish.uri must look like s3://bucket/prefix/, got {v!r}")
+        return v
+
+
+FEED_ROLES = ("root", "targets", "snapshot", "timestamp")
+
+
+class FeedConfig(_Section):
+    """Publish a signed update feed (The Update Framework; :mod:`mergestream.feed`) for devices running
+    ``mergestream-agent``: rebuilt after every published version and operator rollback, its
+    timestamp re-signed while the daemon runs. Needs ``pip install 'mergestream[feed]'``."""
+
+    dir: Path | None = Field(None, description="feed folder to serve over HTTP; default: no feed")
+    keys: Path | None = Field(None, description="keys folder of `mergestream feed keygen` (required with dir)")
+    patch_format: Literal[1, 2] = Field(1, description="2: re-encode the feed's patches with bitmasks")
+    zstd_level: int | None = Field(None, ge=1, le=22, description="format 2: zstd level of each payload")
+    keep: int | None = Field(None, ge=1, description="only the newest N versions' patches; default: all kept")
+    expires: dict[str, str] = Field(default_factory=dict, description="role lifetimes, e.g. {timestamp: 1d, "
+                                    "snapshot: 7d, targets: 90d, root: 365d}")
+    refresh_seconds: float | None = Field(None, gt=0, description="re-sign the timestamp this often; "
+                                          "default: half its lifetime")
+    retry_seconds: float = Field(60.0, gt=0, description="longest wait before retrying a failed feed build (s); "
+                                 "the first retries come sooner (0.5 s, doubling)")
+
+    @field_validator("expires")
+    @classmethod
+    def _durations(cls, v: dict[str, str]) -> dict[str, str]:
+        from .feed.layout import parse_duration
+
+        for role, text in v.items():
+            if role not in FEED_ROLES:
+                raise ValueError(f"feed.expires: unknown role {role!r} (roles: {', '.join(FEED_ROLES)})")
+            if parse_duration(str(text)) <= 0:
+                raise ValueError(f"feed.expires.{role}: must be longer than 0 s")
+        return {r: str(t) for r, t in v.items()}
+
+    @model_validator(mode="after")
+    def _complete(self) -> FeedConfig:
+        if self.dir is not None and self.keys is None:
+            raise ValueError("feed.dir needs feed.keys (the folder of `mergestream feed keygen`)")
+        if self.zstd_level is not None and self.patch_format != 2:
+            raise ValueError("feed.zstd_level needs feed.patch_format: 2")
+        life = self.lifetimes().get("timestamp", 86400.0)
+        if self.refresh_seconds is not None and self.refresh_seconds >= life:
+            raise ValueError(f"feed.refresh_seconds ({self.refresh_seconds:g}) must be shorter than the timestamp's "
+                             f"lifetime ({life:g} s), or devices see the feed expire between refreshes")
+        return self
+
+    def lifetimes(self) -> dict[str, float]:
+        """Seconds each role in :attr:`expires` stays valid (roles not given: the builder's defaults)."""
+        from .feed.layout import parse_duration
+
+        return {r: parse_duration(t) for r, t in self.expires.items()}
+
+
 class MetricsConfig(_Section):
     """Prometheus endpoint (/metrics, /healthz, /readyz)."""
 
@@ -200,6 +306,15 @@ class GateConfig(_Section):
     rules: list[GateRule] = Field(default_factory=default_gate_rules)
 
 
+class ExecutorConfig(_Section):
+    """Where a fold's per-tensor map runs: local threads, or a Ray cluster (the ``ray`` extra; base,
+    backbone, experts and state on storage every Ray worker reaches). See the README's Scaling section."""
+
+    kind: Literal["local", "ray"] = Field("local", description="local threads or a Ray cluster")
+    address: str | None = Field(None, description="Ray cluster: auto, ray://head:10001 (default: RAY_ADDRESS, "
+                                                   "else a local Ray instance)")
+
+
 class Config(BaseSettings):
     """The whole daemon configuration (see ``mergestream init`` for a commented example)."""
 
@@ -213,15 +328,22 @@ class Config(BaseSettings):
     watch: WatchConfig = Field(default_factory=WatchConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     mlflow: MlflowConfig = Field(default_factory=MlflowConfig)
+    s3: S3Config = Field(default_factory=S3Config)
+    publish: PublishConfig = Field(default_factory=PublishConfig)
+    feed: FeedConfig = Field(default_factory=FeedConfig)
     probes: list[ProbeConfig] = Field(default_factory=lambda: [ProbeConfig(type="weight_space")])
     gate: GateConfig = Field(default_factory=GateConfig)
     retention: int = Field(5, ge=1, description="published versions kept (current is never deleted)")
     device: str = Field("cpu", description="math device for folds (cpu, cuda)")
     fold_threads: int = Field(0, ge=0, description="tensor-level worker threads per fold (0: auto, the usable cores up to 4)")
+    executor: ExecutorConfig = Field(default_factory=ExecutorConfig)
     torch_threads: int | None = Field(None, ge=1, description="torch.set_num_threads; default: torch's")
     max_shard_bytes: int = Field(5 * 1024**3, gt=0, description="output shard cap (bytes)")
     log_format: Literal["json", "text"] = Field("json", description="structured log lines")
     write_patches: bool = Field(True, description="write versions/N/patch-from-<N-1>.safetensors")
+    patch_format: Literal[1, 2] = Field(1, description="format of those patches: 1 (index lists, every "
+                                        "apply-patch reads it) or 2 (bitmasks, optional zstd)")
+    patch_zstd_level: int | None = Field(None, ge=1, le=22, description="format 2: zstd level of each payload")
 
     @field_validator("probes")
     @classmethod
@@ -229,6 +351,12 @@ class Config(BaseSettings):
         if not any(p.type == "weight_space" for p in v):
             v = [ProbeConfig(type="weight_space"), *v]
         return v
+
+    @model_validator(mode="after")
+    def _zstd_needs_format_2(self) -> Config:
+        if self.patch_zstd_level is not None and self.patch_format != 2:
+            raise ValueError("patch_zstd_level needs patch_format: 2")
+        return self
 
     @model_validator(mode="after")
     def _cmaes_needs_data_probes(self) -> Config:
@@ -290,9 +418,11 @@ def _resolve(cfg: Config, root: Path) -> Config:
     mlflow = cfg.mlflow.model_copy(update={
         "tracking_uri": _local_uri(cfg.mlflow.tracking_uri, root),
         "registry": reg.model_copy(update={"tracking_uri": _local_uri(reg.tracking_uri, root)})})
+    feed = cfg.feed.model_copy(update={k: _local_path(v, root) for k in ("dir", "keys")
+                                       if (v := getattr(cfg.feed, k)) is not None})
     return cfg.model_copy(update={"base": _local_path(cfg.base, root), "inbox": _local_path(cfg.inbox, root),
                                   "state_dir": _local_path(cfg.state_dir, root), "policy": policy,
-                                  "probes": probes, "mlflow": mlflow})
+                                  "probes": probes, "mlflow": mlflow, "feed": feed})
 
 
 def load_config(path: str | os.PathLike) -> Config:
@@ -370,6 +500,23 @@ mlflow:
     models: []                  # registered model names holding experts
     interval_seconds: 30
     # pending_timeout_seconds: 3600   # skip a version stuck PENDING_REGISTRATION this long (s)
+
+# Object storage (pip install 'mergestream[s3]'; credentials from the standard AWS chain only):
+# s3:                           # also take experts from a bucket (README, "Object storage (S3)")
+#   enabled: true
+#   bucket: experts
+#   prefix: incoming/
+#   endpoint_url: http://127.0.0.1:9000   # MinIO, Ceph, R2...; omit for AWS
+#   interval_seconds: 30
+# publish:
+#   uri: s3://models/backbone/  # mirror every published version; the object `current` is written last
+
+# A signed update feed for edge devices (pip install 'mergestream[feed]'; README, "Fleet updates"):
+# feed:
+#   dir: feed                   # serve this folder over HTTP; rebuilt after each version and rollback
+#   keys: keys                  # from `mergestream feed keygen --keys keys`
+#   patch_format: 2
+#   expires: {{timestamp: 1d}}    # re-signed every half lifetime while the daemon runs
 
 # Probes run on every candidate before it is published. weight_space (data-free: relative_drift,
 # step_drift, general_subspace_energy, max_task_cosine) is always on. Data probes, e.g.:

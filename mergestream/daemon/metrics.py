@@ -61,6 +61,29 @@ class Metrics:
                                  namespace=ns, registry=r)
         self.patch_ratio = Gauge("patch_ratio", "Patch size / full model size for the current version",
                                  namespace=ns, registry=r)
+        self.mirror_versions = Counter("mirror_versions", "Versions uploaded to the publish mirror (publish.uri)",
+                                       namespace=ns, registry=r)
+        self.mirror_errors = Counter("mirror_errors", "Publish mirror failures by kind (access_denied, not_found, "
+                                     "unreachable, other); the local store is unaffected", ["kind"], namespace=ns,
+                                     registry=r)
+        self.feed_releases = Counter("feed_releases", "Signed feed releases the daemon published (feed.dir)",
+                                     namespace=ns, registry=r)
+        self.feed_refreshes = Counter("feed_timestamp_refreshes", "Feed timestamps re-signed with nothing new",
+                                      namespace=ns, registry=r)
+        self.feed_errors = Counter("feed_errors", "Feed builds or timestamp refreshes that failed (kind: build, "
+                                   "refresh); the local store is unaffected", ["kind"], namespace=ns, registry=r)
+        self.feed_release = Gauge("feed_release", "Release number of the published feed (0: none)", namespace=ns,
+                                  registry=r)
+        self.feed_latest = Gauge("feed_latest_version", "Version the feed tells devices to run", namespace=ns,
+                                 registry=r)
+        self.feed_timestamp_expiry = Gauge("feed_timestamp_expiry_timestamp_seconds", "When the feed's signed "
+                                           "timestamp expires (devices refuse a frozen feed after it)", namespace=ns,
+                                           registry=r)
+        self.feed_version_bytes = Gauge("feed_version_bytes", "Bytes the feed holds per version (patches to it "
+                                        "and its full model files)", ["version"], namespace=ns, registry=r)
+        self.feed_bytes_to_latest = Gauge("feed_bytes_to_latest", "Bytes a device at from_version downloads to "
+                                          "reach the feed's latest (from_version=none: a fresh device)",
+                                          ["from_version"], namespace=ns, registry=r)
         self.up = Gauge("up", "1 while the daemon runs", namespace=ns, registry=r)
         self.heartbeat = Gauge("heartbeat_timestamp_seconds", "Last beat of the service loop", namespace=ns,
                                registry=r)

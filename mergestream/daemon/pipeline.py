@@ -126,6 +126,15 @@ class Pipeline:
         self.tensor_delay = tensor_delay
         self.prober = Prober(cfg, ledger, store)
         self.presteps = PreSteps(cfg, self.prober, self.heartbeat, store.kept)
+        self._executor: Any = None
+
+    def executor(self) -> Any:
+        """The engine's executor of ``cfg.executor`` (None: local threads), made at the first fold."""
+        if self.cfg.executor.kind != "local" and self._executor is None:
+            from ..executors import make_executor
+
+            self._executor = make_executor(self.cfg.executor.kind, self.cfg.executor.address)
+        return self._executor
 
     def heartbeat(self, *_: Any) -> None:
         """Called per tensor / RI step / objective evaluation: liveness, and a pending stop."""
@@ -186,7 +195,8 @@ class Pipeline:
             rep = engine.fold(self.cfg.base, backbone, src, pol.name, pol.params, state_dir=att.staging / "state",
                               out=att.staging / "model", expert_id=row.expert_id, device=self.cfg.device,
                               threads=self.cfg.fold_threads, max_shard_bytes=self.cfg.max_shard_bytes,
-                              tensor_hook=hook, objective=objective, expect_sha256=row.sha256 if checked else None)
+                              tensor_hook=hook, objective=objective, expect_sha256=row.sha256 if checked else None,
+                              executor=self.executor())
         except StopRequested:
             raise
         except PreStepRejected as exc:
@@ -230,7 +240,8 @@ class Pipeline:
         try:
             engine.unmerge(att.staging / "state", expert_id, mode, out=att.staging / "model",
                            backbone=cur / "model", base=self.cfg.base, device=self.cfg.device,
-                           threads=self.cfg.fold_threads, max_shard_bytes=self.cfg.max_shard_bytes)
+                           threads=self.cfg.fold_threads, max_shard_bytes=self.cfg.max_shard_bytes,
+                           executor=self.executor())
         except MergestreamError:
             shutil.rmtree(att.staging, ignore_errors=True)
             raise
@@ -325,7 +336,8 @@ class Pipeline:
         try:
             stats = build_patch(self.store.path(prev) / "model", staging / "model", out,
                                 source_version=str(prev), target_version=str(self.store.next_number()),
-                                policy=self.cfg.policy.name)
+                                policy=self.cfg.policy.name, patch_format=self.cfg.patch_format,
+                                zstd_level=self.cfg.patch_zstd_level)
         except Exception:
             log.exception("patch from version %d failed (the version is published without it)", prev)
             return None

@@ -24,8 +24,10 @@ from ..config import Config, ConfigError
 from ..errors import CheckpointError, MergestreamError
 from ..expert_readers import content_sha256
 from ..input_formats import check_not_quantized
+from .feed_publish import build_feed_publisher
 from .ledger import Ledger
 from .metrics import Metrics, MetricsServer
+from .mirror import build_mirror
 from .pipeline import HASH_KEY, HASH_KIND, Pipeline
 from .sources import ExpertReady, Source, SourceContext, build_sources, still_available
 from .store import Store
@@ -82,6 +84,10 @@ class Service:
         self.cfg.state_dir.mkdir(parents=True, exist_ok=True)
         self.cfg.inbox.mkdir(parents=True, exist_ok=True)
         self.ledger = Ledger(self.cfg.state_dir / "ledger.sqlite")
+        self.store.mirror = build_mirror(self.cfg, self.metrics)  # publish.uri: versions to object storage
+        self.store.feed = build_feed_publisher(self.cfg, self.metrics)  # feed.dir: the signed device feed
+        if self.store.feed is not None:
+            self.store.feed.start(self.store.current())
         stale = self.store.clean_staging()
         requeued = self.ledger.requeue_interrupted()
         self.store.prune_kept()  # kept experts of folds a crash interrupted (folded again from the queue)
@@ -167,6 +173,8 @@ class Service:
                 log.exception("stopping source %s", s)
         if self.server is not None:
             self.server.stop()
+        if self.store.feed is not None:  # a pending build (e.g. a rollback run here) is finished first
+            self.store.feed.close()
         self.metrics.up.set(0)
         if self.ledger is not None:
             self.ledger.close()

@@ -49,6 +49,12 @@ class Store:
         self.current_link = self.root / "current"
         self.kept = KeptExperts(self.root)
         self._lock: FileLock | None = None
+        #: told after each local switch of ``current`` (publish, rollback): ``mirror.point(number,
+        #: folder)``, e.g. :class:`mergestream.daemon.mirror.Mirror`; it must never raise. None: no mirror.
+        self.mirror = None
+        #: the same hook for the signed update feed (:class:`mergestream.daemon.feed_publish.FeedPublisher`:
+        #: ``feed.point(number, folder)``, returns at once, never raises). None: no feed.
+        self.feed = None
 
     # -- locking ----------------------------------------------------------------------------------
     def lock(self) -> None:
@@ -172,6 +178,10 @@ class Store:
         os.symlink(os.path.join("versions", f"{number:06d}"), tmp)
         os.replace(tmp, self.current_link)
         fsync_dir(self.root)
+        if self.mirror is not None:  # after the local commit: a mirror failure never touches the store
+            self.mirror.point(number, self.path(number))
+        if self.feed is not None:
+            self.feed.point(number, self.path(number))
 
     def retain(self, keep: int, protect: set[int] | None = None) -> list[int]:
         """Delete all but the newest ``keep`` versions; ``current`` and ``protect`` are never deleted."""
