@@ -32,6 +32,7 @@ from .passes import (
     write_with_aliases,
 )
 from .policies import Policy, TensorContext
+from .policies.lines import block_count
 from .state import SEP, StateDir
 
 
@@ -69,6 +70,7 @@ class TensorFolder:
         self.search = pol.searches_coefficients()
         self.lin = pol.linear_scale() if isinstance(exp, DenseExpert) else None
         self.tensor_hook = tensor_hook
+        self.n_blocks = block_count(base_ck.keys())
         self._lock = threading.Lock()
 
     def __call__(self, name: str, item: tuple[str, torch.Tensor | None], out: FoldSinks) -> None:
@@ -113,7 +115,8 @@ class TensorFolder:
         del e
         with self._lock:
             st = {k: v.to(dev) for k, v in self.read_state(name).items()}
-        ctx = TensorContext(name, self.n_prev, self.prev_coeffs, is_embedding_name(name), seed_of(name))
+        ctx = TensorContext(name, self.n_prev, self.prev_coeffs, is_embedding_name(name), seed_of(name),
+                            n_blocks=self.n_blocks)
         res = self.pol.fold_tensor(b, bb, tau, st, ctx)
         del b, tau
         if not self.search:  # a coefficient search writes the output once, from the state
@@ -182,6 +185,7 @@ class TensorMerger:
     def __init__(self, pol: Policy, base_ck: Checkpoint, exps: list, wheres: list[str], aliases: dict[str, str],
                  dev: torch.device):
         self.pol, self.base_ck, self.exps, self.wheres, self.aliases, self.dev = pol, base_ck, exps, wheres, aliases, dev
+        self.n_blocks = block_count(base_ck.keys())
 
     def __call__(self, name: str, items: list[tuple[str, torch.Tensor | None]], out: FoldSinks) -> None:
         """Merge tensor ``name``; ``items``: one ``(kind, tensor)`` per expert as for :class:`TensorFolder`.
@@ -202,7 +206,7 @@ class TensorMerger:
             else:
                 check_finite_tensor(name, e, where)
                 taus.append(e.to(self.dev, torch.float32).sub_(b))
-        ctx = TensorContext(name, 0, (), is_embedding_name(name), seed_of(name))
+        ctx = TensorContext(name, 0, (), is_embedding_name(name), seed_of(name), n_blocks=self.n_blocks)
         result = cast_checked(b.add_(self.pol.merge_tensor(b, taus, ctx)), meta.dtype, name)
         write_with_aliases(out.writer, name, result, self.aliases)
         out.stats.add({}, meta.numel, meta.nbytes * (1 + len(self.exps)))

@@ -12,7 +12,7 @@ from mergestream import engine
 from mergestream.checkpoints import read_state_dict
 from mergestream.errors import PolicyError
 from mergestream.policies import make_policy
-from mergestream.policies.lines import Lines, LinesParams, layer_index, lines_scale
+from mergestream.policies.lines import Lines, LinesParams, block_count, layer_index, lines_scale
 
 from .conftest import make_hf_expert, perturb, run_cli, save_tensors
 
@@ -118,13 +118,30 @@ def test_mdm_oc_with_lines_subtract_and_replay(tmp_path, models):
     assert make_policy("mdm_oc", pol.refold_params(0.5)).describe() == pol.describe()
 
 
+def test_block_count_from_the_base_names(tmp_path, models):
+    """lines_layers 0 (the default): L is counted from θ₀'s names; the fold equals the explicit L's."""
+    _, bpath, experts = models
+    assert block_count(_model(n_layers=5)) == 5 and block_count(["embed.w", "norm.w"]) == 0
+    lp = {"lines_alpha": 0.3, "lines_beta": 0.6}
+    auto, _ = _chain(tmp_path, "auto", bpath, experts[:2], "task_arithmetic", {"lambda": 0.5, **lp})
+    explicit, _ = _chain(tmp_path, "explicit", bpath, experts[:2], "task_arithmetic",
+                         {"lambda": 0.5, **lp, "lines_layers": 3})
+    wrong, _ = _chain(tmp_path, "wrong", bpath, experts[:2], "task_arithmetic",
+                      {"lambda": 0.5, **lp, "lines_layers": 6})
+    a, b, w = (read_state_dict(x) for x in (auto, explicit, wrong))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], w[k]) for k in a)  # L matters: 6 blocks scale layer 1 differently
+    with pytest.raises(PolicyError, match="lines_layers"):
+        lines_scale("encoder.layer.2.w", LinesParams(lines_alpha=0.5), n_blocks=0)
+
+
 def test_bad_lines_parameters_are_policy_errors():
     with pytest.raises(PolicyError, match="lines_alpha"):
         make_policy("task_arithmetic", {"lines_alpha": 0, "lines_layers": 6})
     with pytest.raises(PolicyError, match="lines_beta"):
         make_policy("task_arithmetic", {"lines_alpha": 0.5, "lines_beta": -1, "lines_layers": 6})
     with pytest.raises(PolicyError, match="lines_layers"):
-        make_policy("opcm", {"lines_alpha": 0.5})
+        make_policy("opcm", {"lines_alpha": 0.5, "lines_layers": -1})
     with pytest.raises(PolicyError, match="lines_gamma"):
         make_policy("opcm", {"lines_alpha": 0.5, "lines_layers": 2, "lines_gamma": 1})
     assert not isinstance(make_policy("opcm", {}), Lines)

@@ -37,6 +37,8 @@ class TensorContext:
         coefficients: the scaling coefficient each previous fold used (policies that keep one).
         is_embedding: the tensor is an embedding matrix or (tied) LM head.
         seed: a per-tensor seed for anything random (stable across runs).
+        n_blocks: the model's number of transformer blocks, from θ₀'s tensor names
+            (:func:`mergestream.policies.lines.block_count`); 0 when it has none.
     """
 
     name: str
@@ -44,6 +46,7 @@ class TensorContext:
     coefficients: tuple[float, ...] = ()
     is_embedding: bool = False
     seed: int = 0
+    n_blocks: int = 0
 
 
 @dataclass

@@ -14,8 +14,8 @@ MDM-OC's directions) see their own merge, and returns λ(ℓ)·Δ'_t as the fold
 λ M_{t−1} + λ Δ' = λ M_t). A scale of exactly 1 returns the inner fold untouched (byte-equal).
 
 Use: the parameters ``lines_alpha`` (α > 0), ``lines_beta`` (β ≥ 0, so λ is monotone in depth)
-and ``lines_layers`` (L, the number of blocks) beside any policy's own, e.g.
-``--set lines_alpha=0.5 --set lines_beta=0.5 --set lines_layers=6``; :func:`with_lines` is what
+and ``lines_layers`` (L, the number of blocks; 0, the default, counts them from θ₀'s tensor names)
+beside any policy's own, e.g. ``--set lines_alpha=0.5 --set lines_beta=0.5``; :func:`with_lines` is what
 :func:`~mergestream.policies.make_policy` calls when such keys are present.
 
 Depth from the tensor name (our choice): the first ``layer.N`` / ``layers.N`` / ``h.N`` /
@@ -47,7 +47,8 @@ _KEY = "lines_scale"
 class LinesParams(PolicyParams):
     lines_alpha: float = Field(gt=0, description="λ of the shallowest layer (α > 0)")
     lines_beta: float = Field(0.0, ge=0, description="λ grows by β from the first to the last layer")
-    lines_layers: int = Field(ge=1, description="L, the number of blocks (layer.0 .. layer.L-1)")
+    lines_layers: int = Field(0, ge=0, description="L, the number of blocks (layer.0 .. layer.L-1); "
+                                                   "0: the model's, counted from θ₀'s tensor names")
 
 
 def layer_index(name: str) -> int | None:
@@ -56,19 +57,26 @@ def layer_index(name: str) -> int | None:
     return int(m[1]) if m else None
 
 
-def lines_scale(name: str, params: LinesParams, *, is_embedding: bool = False) -> float:
-    """λ for one tensor (module docstring).
+def block_count(names) -> int:
+    """The number of blocks of a model: 1 + the largest block index among its tensor names (0 if none)."""
+    return max((i + 1 for i in map(layer_index, names) if i is not None), default=0)
+
+
+def lines_scale(name: str, params: LinesParams, *, is_embedding: bool = False, n_blocks: int = 0) -> float:
+    """λ for one tensor (module docstring); L is ``params.lines_layers``, or ``n_blocks`` (the model's
+    block count) when that is 0.
 
     Raises:
-        PolicyError: the name's block index is ≥ ``lines_layers``.
+        PolicyError: the name's block index is ≥ L, or L is unknown (0) for a tensor inside a block.
     """
-    a, b, n_layers = params.lines_alpha, params.lines_beta, params.lines_layers
+    a, b = params.lines_alpha, params.lines_beta
+    n_layers = params.lines_layers or n_blocks
     idx = layer_index(name)
     if idx is None:
         return a if is_embedding or "embed" in name else a + b
     if idx >= n_layers:
         raise PolicyError(f"tensor {name} is in block {idx} but lines_layers={n_layers}: set lines_layers to the "
-                          "model's number of blocks")
+                          "model's number of blocks (or 0 to count them from θ₀'s tensor names)")
     return a + b * idx / max(n_layers - 1, 1)
 
 
@@ -125,7 +133,7 @@ class Lines(Policy):
     def fold_tensor(self, base: Tensor, backbone: Tensor, tau: Tensor, state: TensorState,
                     ctx: TensorContext) -> TensorFold:
         """λ(ℓ)·Δ' with Δ' the inner fold on the unscaled backbone θ₀ + (θ_{t−1} − θ₀)/λ(ℓ)."""
-        s = lines_scale(ctx.name, self.lines, is_embedding=ctx.is_embedding)
+        s = lines_scale(ctx.name, self.lines, is_embedding=ctx.is_embedding, n_blocks=ctx.n_blocks)
         inner_state, _ = _strip(state)
         if s == 1.0:
             return self.inner.fold_tensor(base, backbone, tau, inner_state, ctx)
@@ -137,7 +145,7 @@ class Lines(Policy):
 
     def merge_tensor(self, base: Tensor, taus: list[Tensor], ctx: TensorContext) -> Tensor:
         """λ(ℓ) times the inner policy's offline merge."""
-        s = lines_scale(ctx.name, self.lines, is_embedding=ctx.is_embedding)
+        s = lines_scale(ctx.name, self.lines, is_embedding=ctx.is_embedding, n_blocks=ctx.n_blocks)
         out = self.inner.merge_tensor(base, taus, ctx)
         return out if s == 1.0 else out.mul_(s)
 
