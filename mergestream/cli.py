@@ -373,21 +373,31 @@ def inspect_cmd(paths, base, as_json) -> None:
 @click.option("--to", "to_version", required=True, type=int, help="target version B")
 @click.option("--config", "config_path", required=True, type=click.Path(), help="daemon config (YAML)")
 @click.option("--out", required=True, type=click.Path(), help="patch file to write (must not exist)")
+@click.option("--format", "patch_format", type=click.Choice(["1", "2"]),
+              help="patch format (default: the config's patch_format)")
+@click.option("--zstd", "zstd_level", type=click.IntRange(1, 22),
+              help="format 2: zstd level of each payload (default: the config's patch_zstd_level)")
 @click.option("--json", "as_json", is_flag=True, help="print the statistics as JSON")
 @_fail_cleanly
-def patch_cmd(from_version, to_version, config_path, out, as_json) -> None:
+def patch_cmd(from_version, to_version, config_path, out, patch_format, zstd_level, as_json) -> None:
     """Build a patch from published version A to version B (any two kept versions)."""
     from .config import load_config
     from .daemon.store import Store
     from .patch_build import build_patch
 
-    store = Store(load_config(config_path).state_dir)
+    cfg = load_config(config_path)
+    fmt = int(patch_format) if patch_format else cfg.patch_format
+    if zstd_level is None and patch_format is None:
+        zstd_level = cfg.patch_zstd_level
+    if zstd_level is not None and fmt != 2:
+        raise MergestreamError("--zstd needs patch format 2")
+    store = Store(cfg.state_dir)
     for v in (from_version, to_version):
         if not (store.path(v) / "model").exists():
             raise MergestreamError(f"version {v} is not in {store.versions_dir} (kept: {store.numbers()})")
     stats = build_patch(store.path(from_version) / "model", store.path(to_version) / "model", out,
                         source_version=str(from_version), target_version=str(to_version),
-                        policy=store.fold_json(to_version).get("policy", ""))
+                        policy=store.fold_json(to_version).get("policy", ""), patch_format=fmt, zstd_level=zstd_level)
     if as_json:
         click.echo(json.dumps(stats, indent=2, default=str))
     else:

@@ -246,6 +246,20 @@ def test_kill_9_mid_fold_then_restart_folds_once(tmp_path):
     hist = json.loads(run_cli("history", "--config", d.config, "--json").stdout)
     assert [h["expert_id"] for h in hist] == ["first", "second"]
     assert not any(staging.iterdir())
+    # a patch between two kept versions in format 2 + zstd rebuilds the later one
+    from mergestream import st
+    from mergestream.patches import weights_sha256
+
+    versions = tmp_path / "state" / "versions"
+    patch = tmp_path / "p12.safetensors"
+    run_cli("patch", "--from", "1", "--to", "2", "--config", d.config, "--out", str(patch), "--format", "2",
+            "--zstd", "3")
+    assert "mergestream-patch/2" in st.read_header(patch).obj["__metadata__"].values()
+    run_cli("apply-patch", str(versions / "000001" / "model"), str(patch), "--out", str(tmp_path / "rebuilt"))
+    assert weights_sha256(tmp_path / "rebuilt") == weights_sha256(versions / "000002" / "model")
+    bad = run_cli("patch", "--from", "1", "--to", "2", "--config", d.config, "--out", str(tmp_path / "p.st"),
+                  "--format", "1", "--zstd", "3", check=False)
+    assert bad.returncode == 2 and "zstd" in bad.stderr
     # operator commands reach the running daemon
     run_cli("rollback", "--config", d.config, "--to", "1")
     assert d.status()["current_version"] == 1
