@@ -360,7 +360,11 @@ class S3Source(Source):
         previous, self._previous = self._previous, {o.key: (o.size, o.etag) for o in singles}
         out = []
         for o in singles:
-            if previous.get(o.key) != (o.size, o.etag) or self._was_taken(o.key, o.etag):
+            if self._was_taken(o.key, o.etag):
+                continue
+            if previous.get(o.key) != (o.size, o.etag):
+                log.info("s3 object s3://%s/%s (%d bytes) seen; taken when the next listing (in %.0f s) shows "
+                         "the same size and ETag", self.bucket, o.key, o.size, self.interval_seconds)
                 continue
             if (o.key, f"{o.etag}:ok") not in self._reported:
                 try:
