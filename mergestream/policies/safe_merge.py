@@ -111,9 +111,13 @@ class KeptPattern:
         self.values = torch.zeros(self.nnz, dtype=dtype, device=mask.device)
         self._values_t = torch.zeros_like(self.values)
         self._order = torch.argsort(cols * m + rows)  # row-major -> column-major order of the same entries
-        self.s = torch.sparse_csr_tensor(_offsets(rows, m), cols, self.values, size=(m, n), check_invariants=False)
-        self._s_t = torch.sparse_csr_tensor(_offsets(cols, n), rows[self._order], self._values_t, size=(n, m),
-                                            check_invariants=False)
+        # int32 indices where they fit: the sparse kernels convert int64 ones on every call (a fresh
+        # nnz-sized buffer per product)
+        idx = torch.int32 if max(self.nnz, m, n) < 2**31 - 1 else torch.int64
+        self.s = torch.sparse_csr_tensor(_offsets(rows, m).to(idx), cols.to(idx), self.values, size=(m, n),
+                                         check_invariants=False)
+        self._s_t = torch.sparse_csr_tensor(_offsets(cols, n).to(idx), rows[self._order].to(idx), self._values_t,
+                                            size=(n, m), check_invariants=False)
 
     def sample(self, x: Tensor, y: Tensor, alpha: float = 1.0) -> Tensor:
         """Set S = alpha · M⊙(x @ y) for x (m, k), y (k, n) and return S (sparse CSR (m, n))."""
@@ -153,7 +157,7 @@ def masked_recovery(tau: Tensor, mask: Tensor, delta_prev: Tensor | None, *, ran
         D (m, n) float32, zero outside M; and the loss after each step (first = before any step;
         empty when there is no recovery: ``steps`` or ``rank`` 0, or an empty mask).
     """
-    d0 = tau * mask.to(tau.dtype)
+    d0 = torch.where(mask, tau, tau.new_zeros(()))  # M⊙τ
     if steps <= 0 or rank <= 0:
         return d0, []
     pattern = KeptPattern(mask)
@@ -161,7 +165,7 @@ def masked_recovery(tau: Tensor, mask: Tensor, delta_prev: Tensor | None, *, ran
         return d0, []
     m, n = tau.shape
     _, v_new = top_singular(tau, k_new, seed=seed)
-    w, p = [v_new], [(d0 - tau) @ v_new]  # constant part of (D − τ) V_new
+    w, p = [v_new], [(d0 - tau) @ v_new]  # constant part of (D − τ) V_new (exactly 0 on the kept entries)
     if lambda_old > 0 and delta_prev is not None and bool(delta_prev.any()):
         _, v_old = top_singular(delta_prev, k_old, seed=seed + 1)
         w.append(v_old * lambda_old**0.5)
@@ -233,7 +237,7 @@ class SafeMerge(Policy):
                 u0, v0 = top_singular(base, p.k, seed=ctx.seed)
                 new_state = {"U0": u0, "V0": v0}
             risk = risk_scores(tau, new_state["U0"], new_state["V0"], p.k_s, seed=ctx.seed)
-            score = risk.neg_().add_(1.0).mul_(tau.abs())
+            score = risk.neg_().add_(1.0).mul_(tau).abs_()  # (1 − r)·|τ|, as 1 − r ≥ 0
         else:
             score = tau.abs()
         mask = magnitude_mask(score, p.rho)
