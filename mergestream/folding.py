@@ -29,9 +29,7 @@ from ._alloc import pin_mmap_threshold
 from .checkpoints import (
     DEFAULT_SHARD_BYTES,
     Checkpoint,
-    check_finite_tensor,
     default_expert_id,
-    is_embedding_name,
     is_float_dtype,
     open_checkpoint,
     open_safetensors_file,
@@ -60,13 +58,11 @@ from .passes import (
     largest,
     open_base_and_backbone,
     provenance,
-    seed_of,
     worker_threads,
     write_with_aliases,
 )
 from .policies import (
     Policy,
-    TensorContext,
     cmaes_coefficients,
     make_policy,
     stability_penalty,

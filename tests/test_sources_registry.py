@@ -17,7 +17,6 @@ from pathlib import Path
 import mlflow.artifacts
 import pytest
 import yaml
-from safetensors.torch import save_file
 
 from mergestream.config import Config, load_config
 from mergestream.daemon.ledger import Ledger
