@@ -3,13 +3,21 @@
 :class:`BackgroundHTTPServer` serves a ``http.server.BaseHTTPRequestHandler`` subclass with the
 standard library's ``ThreadingHTTPServer`` (one daemon thread per request) from a daemon thread, with
 an idempotent :meth:`~BackgroundHTTPServer.stop` and the bound :attr:`~BackgroundHTTPServer.port`
-(port 0 picks a free one); :func:`send_body` writes one whole reply.
+(port 0 picks a free one); :func:`send_body` writes one whole reply; :class:`JsonPostHandler` is
+the base of the receivers of small JSON deliveries (the MLflow webhook, S3 bucket notifications).
 """
 
 from __future__ import annotations
 
 import http.server
+import json
+import logging
 import threading
+
+log = logging.getLogger(__name__)
+
+#: the largest request body a :class:`JsonPostHandler` reads (bytes)
+MAX_BODY_BYTES = 1024 * 1024
 
 
 def send_body(handler: http.server.BaseHTTPRequestHandler, code: int, body: bytes, content_type: str) -> None:
@@ -20,6 +28,34 @@ def send_body(handler: http.server.BaseHTTPRequestHandler, code: int, body: byte
     handler.send_header("Content-Length", str(len(body)))
     handler.end_headers()
     handler.wfile.write(body)
+
+
+class JsonPostHandler(http.server.BaseHTTPRequestHandler):
+    """A request handler for small JSON POST deliveries: replies are ``{"message": ...}`` JSON, the
+    body is read only when its ``Content-Length`` is valid and at most :data:`MAX_BODY_BYTES`, and
+    the server's per-request log lines go to this module's debug log under ``log_label``."""
+
+    log_label = "http"
+
+    def log_message(self, format, *args):  # noqa: A002 - http.server's signature
+        log.debug("%s %s %s", self.log_label, self.address_string(), format % args)
+
+    def reply(self, code: int, message: str) -> None:
+        """Reply ``code`` with ``{"message": message}``."""
+        send_body(self, code, json.dumps({"message": message}).encode(), "application/json")
+
+    def read_body(self) -> bytes | None:
+        """The request body (bytes), or None after replying 400 (unreadable ``Content-Length``) or
+        413 (a body above :data:`MAX_BODY_BYTES`)."""
+        try:
+            length = int(self.headers.get("Content-Length", "0"))
+        except ValueError:
+            self.reply(400, "bad Content-Length")
+            return None
+        if length < 0 or length > MAX_BODY_BYTES:
+            self.reply(413, "body too large")
+            return None
+        return self.rfile.read(length)
 
 
 class BackgroundHTTPServer:

@@ -54,7 +54,8 @@ from .readiness import (
     torch_file_complete,
     weight_file_complete,
 )
-from .webhook import MAX_BODY_BYTES, WebhookReceiver, sign_webhook, verify_webhook
+from ..http import MAX_BODY_BYTES
+from .webhook import WebhookReceiver, sign_webhook, verify_webhook
 
 if TYPE_CHECKING:
     from ...config import Config

@@ -13,18 +13,16 @@ ignored), 400 (not a JSON object), 401 (token missing or wrong), 413 (body over
 from __future__ import annotations
 
 import hmac
-import http.server
 import json
 import logging
 from collections.abc import Callable
 
-from ..http import BackgroundHTTPServer, send_body
+from ..http import BackgroundHTTPServer, JsonPostHandler
 from .base import Source
 
 log = logging.getLogger(__name__)
 
 #: Largest accepted request body (bytes).
-MAX_BODY_BYTES = 1024 * 1024
 
 
 def event_names(payload: object) -> list[str]:
@@ -39,39 +37,30 @@ def event_names(payload: object) -> list[str]:
     return names
 
 
-class _Handler(http.server.BaseHTTPRequestHandler):
+class _Handler(JsonPostHandler):
+    log_label = "s3 notification"
     server_version = "mergestream-s3-notify"
     receiver: NotificationReceiver
 
-    def log_message(self, format, *args):  # noqa: A002 - http.server's signature
-        log.debug("s3 notification %s %s", self.address_string(), format % args)
-
-    def _reply(self, code: int, message: str) -> None:
-        send_body(self, code, json.dumps({"message": message}).encode(), "application/json")
-
     def do_POST(self):  # noqa: N802 - http.server's naming
         """Check the token, parse, and trigger a poll on an ObjectCreated event."""
-        try:
-            length = int(self.headers.get("Content-Length", "0"))
-        except ValueError:
-            return self._reply(400, "bad Content-Length")
-        if length < 0 or length > MAX_BODY_BYTES:
-            return self._reply(413, "body too large")
-        body = self.rfile.read(length)
+        body = self.read_body()
+        if body is None:
+            return None
         given = (self.headers.get("Authorization") or "").removeprefix("Bearer ").strip()
         if not hmac.compare_digest(given.encode(), self.receiver.token.encode()):
             log.warning("s3 notification rejected: missing or wrong token from %s", self.client_address[0])
-            return self._reply(401, "invalid token")
+            return self.reply(401, "invalid token")
         try:
             names = event_names(json.loads(body))
         except ValueError:
-            return self._reply(400, "body is not JSON")
+            return self.reply(400, "body is not JSON")
         created = [n for n in names if "ObjectCreated" in n]
         if not created:
-            return self._reply(200, "ignored")
+            return self.reply(200, "ignored")
         log.info("s3 notification %s: polling now", created[0])
         self.receiver.on_event()
-        return self._reply(200, "poll triggered")
+        return self.reply(200, "poll triggered")
 
 
 class NotificationReceiver(Source):

@@ -14,13 +14,12 @@ import base64
 import binascii
 import hashlib
 import hmac
-import http.server
 import json
 import logging
 import time
 from collections.abc import Callable
 
-from ..http import BackgroundHTTPServer, send_body
+from ..http import BackgroundHTTPServer, JsonPostHandler
 from .base import Source
 
 log = logging.getLogger(__name__)
@@ -29,7 +28,6 @@ SIGNATURE_HEADER = "X-MLflow-Signature"
 TIMESTAMP_HEADER = "X-MLflow-Timestamp"
 DELIVERY_ID_HEADER = "X-MLflow-Delivery-Id"
 #: Largest accepted request body (bytes).
-MAX_BODY_BYTES = 1024 * 1024
 
 
 def sign_webhook(secret: str, delivery_id: str, timestamp: str, body: bytes | str) -> str:
@@ -74,37 +72,28 @@ def verify_webhook(secret: str, headers, body: bytes, *, tolerance_seconds: floa
     return False
 
 
-class _WebhookHandler(http.server.BaseHTTPRequestHandler):
+class _WebhookHandler(JsonPostHandler):
+    log_label = "webhook"
     server_version = "mergestream-webhook"
     receiver: WebhookReceiver  # set on the per-receiver subclass
 
-    def log_message(self, format, *args):  # noqa: A002 - http.server's signature
-        log.debug("webhook %s %s", self.address_string(), format % args)
-
-    def _reply(self, code: int, message: str) -> None:
-        send_body(self, code, json.dumps({"message": message}).encode(), "application/json")
-
     def do_POST(self):  # noqa: N802 - http.server's naming
         """Verify, parse and dispatch one delivery (replies: see :class:`WebhookReceiver`)."""
-        try:
-            length = int(self.headers.get("Content-Length", "0"))
-        except ValueError:
-            return self._reply(400, "bad Content-Length")
-        if length < 0 or length > MAX_BODY_BYTES:
-            return self._reply(413, "body too large")
-        body = self.rfile.read(length)
+        body = self.read_body()
+        if body is None:
+            return None
         rx = self.receiver
         if not verify_webhook(rx.secret, self.headers, body, tolerance_seconds=rx.tolerance_seconds):
             log.warning("webhook rejected: bad or missing signature from %s", self.client_address[0])
-            return self._reply(401, "invalid signature")
+            return self.reply(401, "invalid signature")
         try:
             payload = json.loads(body)
             event = f"{payload.get('entity')}.{payload.get('action')}"
         except (ValueError, AttributeError):
-            return self._reply(400, "body is not a JSON object")
+            return self.reply(400, "body is not a JSON object")
         if event != "model_version.created":
             log.debug("webhook event ignored: %s", event)
-            return self._reply(200, f"ignored {event}")
+            return self.reply(200, f"ignored {event}")
         data = payload.get("data") or {}
         log.info("webhook model_version.created model=%s version=%s: polling now",
                  data.get("name") if isinstance(data, dict) else None,
@@ -113,8 +102,8 @@ class _WebhookHandler(http.server.BaseHTTPRequestHandler):
             rx.on_event()
         except Exception:
             log.exception("webhook on_event failed")
-            return self._reply(500, "on_event failed")
-        return self._reply(200, "poll triggered")
+            return self.reply(500, "on_event failed")
+        return self.reply(200, "poll triggered")
 
 
 class WebhookReceiver(Source):
