@@ -284,6 +284,21 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def link_or_copy(src: str | os.PathLike, dest: str | os.PathLike) -> None:
+    """Hard-link file ``src`` to ``dest``; where that is impossible (another filesystem, links not
+    supported) copy it (with its metadata) and fsync the copy. The caller fsyncs ``dest``'s folder.
+
+    Raises:
+        OSError: neither works (``dest`` exists, ``src`` is missing, no space).
+    """
+    try:
+        os.link(src, dest)
+    except OSError:
+        shutil.copy2(src, dest)
+        with open(dest, "rb") as fh:
+            os.fsync(fh.fileno())
+
+
 # -- the rest of a model folder ---------------------------------------------------------------------
 #: file suffixes of model weights in any format (safetensors, PyTorch pickles, TF, Flax, ONNX, GGUF)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx", ".gguf")

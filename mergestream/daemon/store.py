@@ -29,7 +29,7 @@ from typing import Any
 from filelock import FileLock, Timeout
 
 from ..errors import MergestreamError, StateError
-from ..st import fsync_dir
+from ..st import fsync_dir, link_or_copy
 from ..state import StateDir
 
 log = logging.getLogger(__name__)
@@ -304,11 +304,6 @@ def _link_tree(src: Path, dest: Path) -> None:
     for a, b in files:
         b.parent.mkdir(parents=True, exist_ok=True)
         folders.add(b.parent)
-        try:
-            os.link(a, b)
-        except OSError:
-            shutil.copy2(a, b)
-            with open(b, "rb") as fh:
-                os.fsync(fh.fileno())
+        link_or_copy(a, b)
     for d in sorted(folders, key=lambda p: len(p.parts), reverse=True):
         fsync_dir(d)

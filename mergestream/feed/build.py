@@ -51,7 +51,7 @@ from ..agent.plan import Target, shortest
 from ..daemon.store import Store
 from ..errors import MergestreamError
 from ..patches import PATCH_FORMAT_2, Weights
-from ..st import aux_files, fsync_dir, read_header
+from ..st import aux_files, fsync_dir, link_or_copy, read_header
 from . import keys as feed_keys
 from .layout import CUSTOM_KEY, LATEST, custom_of, model_path, patch_path
 
@@ -90,12 +90,7 @@ def _place(src: Path, tf: TargetFile, targets_dir: Path) -> None:
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.tmp")
     tmp.unlink(missing_ok=True)
-    try:
-        os.link(src, tmp)
-    except OSError:
-        shutil.copyfile(src, tmp)
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
+    link_or_copy(src, tmp)
     os.replace(tmp, dest)
 
 
