@@ -62,9 +62,9 @@ def test_ri_loss_decreases_and_only_trained_tensors_change(bert, expert, aux, tm
     assert rep.experts == ["adapted"]
 
 
-def test_alpha_zero_pulls_a_perturbed_model_back_to_the_experts_own_outputs(aux):
-    """With α = 0 only the own-head term is left: from a perturbed start, enough steps bring the
-    model back to the expert's outputs (the teacher)."""
+def _perturbed_student(aux, noise: float):
+    """A bag-of-words teacher with head 1's logits on ``aux``, and a student = teacher + ``noise``·N(0, 1)
+    per weight: (features, own head, other heads, teacher logits, student, student's start state)."""
     fm = BagOfWordsFeatures()
     torch.manual_seed(0)
     teacher_model = BagOfWords()
@@ -72,7 +72,15 @@ def test_alpha_zero_pulls_a_perturbed_model_back_to_the_experts_own_outputs(aux)
     with torch.no_grad():
         teacher = fm.features(teacher_model, aux) @ own[0].T + own[1]
     student = BagOfWords()
-    student.load_state_dict({k: v + 0.3 * torch.randn_like(v) for k, v in teacher_model.state_dict().items()})
+    start = {k: v + noise * torch.randn_like(v) for k, v in teacher_model.state_dict().items()}
+    student.load_state_dict(start)
+    return fm, own, others, teacher, student, start
+
+
+def test_alpha_zero_pulls_a_perturbed_model_back_to_the_experts_own_outputs(aux):
+    """With α = 0 only the own-head term is left: from a perturbed start, enough steps bring the
+    model back to the expert's outputs (the teacher)."""
+    fm, own, others, teacher, student, _ = _perturbed_student(aux, 0.3)
     res = resolve_interference(student, fm.features, aux, torch.zeros(len(aux), H), own, others,
                                RIParams(alpha=0.0, steps=300, lr=1e-2, batch_size=16), teacher_logits=teacher)
     assert res.loss_before > 0.05
@@ -103,15 +111,7 @@ def test_alpha_zero_on_the_expert_itself_keeps_it_exactly(bert, expert, aux, tmp
 def test_best_iterate_is_kept_when_the_steps_overshoot(aux, eval_every):
     """A start near the minimum and a learning rate far too large: AdamW's last iterate ends above
     where it started; with ``eval_every`` the best evaluated iterate (here θᵢ itself) is returned."""
-    fm = BagOfWordsFeatures()
-    torch.manual_seed(0)
-    teacher_model = BagOfWords()
-    own, *others = heads(1)
-    with torch.no_grad():
-        teacher = fm.features(teacher_model, aux) @ own[0].T + own[1]
-    student = BagOfWords()
-    start = {k: v + 1e-3 * torch.randn_like(v) for k, v in teacher_model.state_dict().items()}
-    student.load_state_dict(start)
+    fm, own, others, teacher, student, start = _perturbed_student(aux, 1e-3)
     res = resolve_interference(student, fm.features, aux, torch.zeros(len(aux), H), own, others,
                                RIParams(alpha=0.0, steps=12, lr=0.5, batch_size=16, eval_every=eval_every),
                                teacher_logits=teacher)
