@@ -54,6 +54,16 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(_INT_OF_SIZE[t.dtype.itemsize])
 
 
+def differing_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Flat int64 indices (ascending, on ``a``'s device) where two same-dtype tensors differ bit for
+    bit. On the CPU numpy's comparison + ``flatnonzero`` (~5x faster than ``torch.ne(...).nonzero()``
+    on 1M bf16 elements, which made the exception lists a tenth of a Task Arithmetic fold's CPU)."""
+    if a.device.type == "cpu" and b.device.type == "cpu":
+        diff = np.not_equal(bits(a.contiguous()).numpy().reshape(-1), bits(b.contiguous()).numpy().reshape(-1))
+        return torch.from_numpy(np.flatnonzero(diff))
+    return torch.ne(bits(a), bits(b)).reshape(-1).nonzero().squeeze(1)
+
+
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors of one dtype hold the same bytes (numpy's comparison on the CPU: several
     times faster than an element-wise torch comparison plus ``any``)."""
@@ -123,7 +133,7 @@ class ResidualWriter:
         prev_s = prev_s.to(dev)
         if same_bits(back, prev_s):
             return None
-        idx = torch.ne(bits(back), bits(prev_s)).nonzero().squeeze(1)
+        idx = differing_bits(back, prev_s)
         return idx.cpu() + elem_offset, prev_s[idx].cpu()
 
     def finish(self, name: str, exceptions: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -31,6 +31,10 @@ from .errors import OutputExistsError
 __all__ = ["ModelWriter", "AppendWriter", "staged_output", "copy_aux_files", "tensor_bytes"]
 
 
+#: writes of at least this many bytes start their writeback at once (:func:`mergestream.st.start_writeback`)
+WRITEBACK_MIN_BYTES = 1 << 20
+
+
 def _header(entries: list[tuple[str, tuple[int, ...], torch.dtype, int, int]], metadata: dict[str, str] | None,
             pad_to: int = 0) -> bytes:
     """8-byte length + header JSON, padded with spaces to a multiple of 8 (and to ``pad_to`` bytes)."""
@@ -154,6 +158,8 @@ class ModelWriter:
         if start < 0 or start + len(data) > meta.nbytes:
             raise ValueError(f"{name}: bytes [{start}, {start + len(data)}) outside the planned {meta.nbytes}")
         st.pwrite_all(self._fds[shard], data, offset + start)
+        if len(data) >= WRITEBACK_MIN_BYTES:
+            st.start_writeback(self._fds[shard], offset + start, len(data))
         with self._lock:  # called from worker threads
             self.bytes_written += len(data)
             self._remaining[name] -= len(data)
@@ -216,6 +222,8 @@ class AppendWriter:
         """Write raw bytes at ``data_start`` of the data region (inside a reserved tensor)."""
         data = memoryview(data).cast("B")
         st.pwrite_all(self._fd, data, self._room + data_start)
+        if len(data) >= WRITEBACK_MIN_BYTES:
+            st.start_writeback(self._fd, self._room + data_start, len(data))
         with self._lock:
             self.bytes_written += len(data)
 
