@@ -29,7 +29,11 @@ Protocol knobs (each recorded in quality.json under "protocol"; quality.md state
   --tune              pick each policy's coefficient from a grid on the validation rows with G on
                       STS-B *dev*, never test; variants (+lines, +magnitude-mask, +ri) take their
                       parent's tuned value
-  --cmaes             also run mdm_oc with CMA-ES coefficients (objective: validation accuracy)
+  --cmaes             also run mdm_oc with CMA-ES coefficients on the daemon's objective
+                      (mergestream.daemon.objective.ProbeObjective, policy.objective defaults:
+                      task_weight × mean validation accuracy + general_weight × STS-B *dev* Spearman)
+  --adamerging        also run mdm_oc with AdaMerging per-layer coefficients (mergestream.coefficients:
+                      the seen tasks' heads' entropy on the unlabeled inputs RI uses, --ada-examples)
   --lpft rule         LP-FT for a task when its fine-tuned expert (random head) is not better than a
                       linear probe on frozen θ₀, both on the validation rows (`tasks`: the old name list)
   --recipe R          expert recipe fields, typed (`lr=3e-5,max_train=64` or a YAML mapping)
@@ -41,6 +45,7 @@ Hyperparameters without --tune or --set are the policies' defaults (recorded in 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import random
 import shutil
@@ -71,9 +76,13 @@ from quality_setup import (  # noqa: E402
 
 from mergestream import experts as X  # noqa: E402
 from mergestream import text as T  # noqa: E402
+from mergestream.coefficients import EntropyObjective  # noqa: E402
+from mergestream.config import ObjectiveConfig  # noqa: E402
+from mergestream.daemon.objective import ProbeObjective  # noqa: E402
+from mergestream.daemon.probes import SentenceSimilarityProbe, TaskProbeSpec  # noqa: E402
 from mergestream.engine import fold, unmerge  # noqa: E402
 from mergestream.patch_build import build_patch  # noqa: E402
-from mergestream.ri import RIParams, adapt_expert  # noqa: E402
+from mergestream.ri import RIParams, adapt_expert, load_feature_model  # noqa: E402
 
 #: LiNeS for the 6-block MiniLM: shallowest blocks at half the update, the deepest at all of it
 LINES = {"lines_alpha": 0.5, "lines_beta": 0.5, "lines_layers": 6}
@@ -162,8 +171,8 @@ def fold_stream(order: list[str], experts: dict[str, Path], policy: str, params:
             ri_s.append(secs)
         t0 = time.perf_counter()
         objective = objective_for(order[:t]) if objective_for is not None else None
-        fold(base, prev, src, policy, params, state_dir=state, out=out, expert_id=task,
-             objective=objective, threads=threads)
+        frep = fold(base, prev, src, policy, params, state_dir=state, out=out, expert_id=task,
+                    objective=objective, threads=threads)
         fold_s.append(time.perf_counter() - t0)
         if patches and prev is not None:
             ratios = [build_patch(prev, out, run / "patch.safetensors", source_version=str(t - 1),
@@ -182,7 +191,8 @@ def fold_stream(order: list[str], experts: dict[str, Path], policy: str, params:
         diag[task] = accs[task]
         steps.append({"t": t, "task": task, "acc": accs, "G": g, "fold_seconds": fold_s[-1],
                       "patch_ratio": patch_ratio[-1] if patches and t > 1 else None,
-                      "ri_seconds": ri_s[-1] if ri_s else None})
+                      "ri_seconds": ri_s[-1] if ri_s else None, "search": frep.search,
+                      "coefficients": frep.coefficients, "layer_alphas": frep.params.get("layer_alphas")})
         log(f"  {policy} t={t} {task}: acc[{task}]={accs[task]:.1f}" + (f" G={g:.2f}" if g is not None else "")
             + f" fold {fold_s[-1]:.1f}s")
     final_acc = steps[-1]["acc"]
@@ -233,23 +243,42 @@ def uad(order: list[str], res: dict[str, Any], ev: Evaluator, remove: str, log) 
     return out
 
 
-def make_objective(ev: Evaluator, val_rows: dict[str, list], seen: list[str]):
-    """CMA-ES objective for mdm_oc: minus the mean validation accuracy (the validation rows) of the
-    tasks folded so far; weights are streamed into a BertModel in memory."""
-    base_model, _ = X.load_encoder()
+def make_objective(experts: dict[str, Path], val_rows: dict[str, list], sts_dev: list[tuple[float, str, str]],
+                   seen: list[str], folder: Path) -> ProbeObjective:
+    """The daemon's CMA-ES objective (:class:`mergestream.daemon.objective.ProbeObjective` with the
+    defaults of ``policy.objective``): task_weight × mean accuracy of the tasks folded so far (each
+    expert's head, the first examples_per_task validation rows) + general_weight × Spearman on the
+    first general_pairs STS-B *dev* pairs (never the test pairs G is measured on). The rows are
+    written as the probe files the daemon reads (JSONL tasks, TSV pairs) into ``folder``."""
+    oc = ObjectiveConfig()
+    folder.mkdir(parents=True, exist_ok=True)
+    specs = []
+    for t in seen:
+        path = folder / f"{t}.jsonl"
+        if not path.exists():
+            with open(path, "w", encoding="utf-8") as fh:
+                for text, text2, y in val_rows[t]:
+                    fh.write(json.dumps({"text": text, **({"text2": text2} if text2 is not None else {}), "label": y})
+                             + "\n")
+        specs.append(TaskProbeSpec(task=t, head=experts[t] / "head.safetensors", data=path))
+    sts = folder / "sts-dev.tsv"
+    if not sts.exists():
+        with open(sts, "w", newline="", encoding="utf-8") as fh:
+            w = csv.writer(fh, delimiter="\t")
+            w.writerow(["score", "text", "text2"])
+            w.writerows(random.Random(0).sample(sts_dev, len(sts_dev)))  # "first N" spans the genres
+    base = X.base_model_path()
+    return ProbeObjective(base, specs, SentenceSimilarityProbe(data=sts), tokenizer=base, task_weight=oc.task_weight,
+                          general_weight=oc.general_weight, examples_per_task=oc.examples_per_task,
+                          general_pairs=oc.general_pairs)
 
-    def objective(alphas, weights) -> float:
-        sd = dict(weights())
-        base_model.load_state_dict({k: v for k, v in sd.items()}, strict=False)
-        accs = []
-        for t in seen:
-            rows = val_rows[t]
-            emb = X.embed_rows(base_model, ev.tok, rows, max_length=64)
-            w, b = ev.heads[t]
-            accs.append(T.head_accuracy(emb, [y for _, _, y in rows], w, b))
-        return -float(np.mean(accs))
 
-    return objective
+def make_entropy_objective(heads: dict[str, tuple[torch.Tensor, torch.Tensor]], aux: list, n: int) -> EntropyObjective:
+    """The adamerging objective (:class:`mergestream.coefficients.EntropyObjective`): the heads' mean
+    prediction entropy on a seeded subsample of ``n`` of the unlabeled inputs ``aux`` (RI's)."""
+    base = X.base_model_path()
+    fm = load_feature_model(None, tokenizer=base, max_length=64)
+    return EntropyObjective(base, heads, X.subsample(aux, n, seed=0), feature_model=fm, batch_size=16)
 
 
 # ------------------------------------------------------------------------------------------
@@ -275,6 +304,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "the old task-name list")
     ap.add_argument("--cmaes", action="store_true")
     ap.add_argument("--cmaes-budget", type=int, default=12)
+    ap.add_argument("--adamerging", action="store_true", help="also run mdm_oc+adamerging")
+    ap.add_argument("--ada-steps", type=int, default=30, help="AdaMerging Adam steps per fold")
+    ap.add_argument("--ada-examples", type=int, default=ObjectiveConfig().adamerging_examples,
+                    help="unlabeled inputs of the adamerging objective (a subsample of RI's)")
     ap.add_argument("--no-uad", action="store_true")
     ap.add_argument("--ri-policies", default="task_arithmetic,ties,best",
                     help="policies also run with the RI pre-step ('+ri' rows); 'best' = the best other "
@@ -310,12 +343,17 @@ def select_policies(args: argparse.Namespace) -> tuple[list[tuple[str, str, dict
         known = {p + v for p, v, _ in POLICIES}
         if args.cmaes:
             known.add("mdm_oc+cmaes")
+        if args.adamerging:
+            known.add("mdm_oc+adamerging")
         stray = sorted(want - known)
         if stray:
             raise SystemExit(f"--policies: unknown row(s) {', '.join(stray)}; known: {', '.join(sorted(known))}")
         pols = [p for p in POLICIES if p[0] + p[1] in want]
-    if args.cmaes:
+    if args.cmaes and (not args.policies or "mdm_oc+cmaes" in want):
         pols = pols + [("mdm_oc", "+cmaes", {"alpha": 0.3, "coefficients": "cmaes", "budget": args.cmaes_budget})]
+    if args.adamerging and (not args.policies or "mdm_oc+adamerging" in want):
+        pols = pols + [("mdm_oc", "+adamerging", {"alpha": 0.3, "coefficients": "adamerging",
+                                                  "ada_steps": args.ada_steps})]
     overrides = merge_overrides(load_config(args.config) if args.config else {}, parse_sets(args.sets))
     return apply_overrides(pols, overrides), overrides
 
@@ -430,11 +468,13 @@ def main(argv: list[str] | None = None) -> int:
         log(f"  {t}: expert {ref['expert_acc'][t]:.1f}  base+head {ref['base_head_acc'][t]:.1f}  "
             f"LP {ref['linear_probe_acc'][t]:.1f}  expert G {ref['expert_G'][t]:.2f}")
 
-    skipped = [] if args.cmaes else ["mdm_oc with CMA-ES coefficients (--cmaes; not run for time)"]
+    skipped = ([] if args.cmaes else ["mdm_oc with CMA-ES coefficients (--cmaes; not run for time)"]) + \
+        ([] if args.adamerging else ["mdm_oc with AdaMerging coefficients (--adamerging; not run for time)"])
+    sts_dev = read_sts_dev(data, args.sts_pairs or 500)  # tuning's and the CMA-ES objective's pairs (never test)
     tuned: dict[str, Any] = {}
     if args.tune:
         log(f"tuning on {args.val_rows} validation rows per task ({args.validation}) with G on STS-B dev")
-        vev = Evaluator(tdata, heads, val_rows, read_sts_dev(data, args.sts_pairs or 500), tok)
+        vev = Evaluator(tdata, heads, val_rows, sts_dev, tok)
         for pol, var, params in pols:
             if pol not in GRID or var or pol in tuned:
                 continue
@@ -464,11 +504,15 @@ def main(argv: list[str] | None = None) -> int:
     ri_params = RIParams(steps=args.ri_steps, lr=args.ri_lr, batch_size=16, max_length=64, eval_examples=64)
     ri_done: dict[tuple[str, ...], tuple[Path, float]] = {}
 
+    def aux_inputs(seen) -> list:
+        """The unlabeled inputs RI (and the adamerging objective) use: train-split inputs of the tasks seen."""
+        return [(r[0], r[1]) for s_ in seen for r in X.subsample(tdata[s_].train, args.ri_aux, seed=5)]
+
     def ri(prefix: tuple[str, ...]) -> tuple[Path, float]:
         """The RI-adapted expert of prefix[-1] given the earlier tasks' heads (cached per prefix)."""
         if prefix not in ri_done:
             task = prefix[-1]
-            aux = [(r[0], r[1]) for s_ in prefix for r in X.subsample(tdata[s_].train, args.ri_aux, seed=5)]
+            aux = aux_inputs(prefix)
             t0 = time.perf_counter()
             dst = work / "ri" / ("-".join(prefix[:-1]) or "first") / task
             path, res = adapt_expert(experts[task], X.base_model_path(), dst, own_head=heads[task],
@@ -491,6 +535,12 @@ def main(argv: list[str] | None = None) -> int:
                              "validation": args.validation, "val_rows": args.val_rows, "data": str(data),
                              "lpft": {"mode": args.lpft, "rule": "LP-FT when the random-head expert's validation "
                                       "accuracy is below the frozen-θ₀ linear probe's", "tasks": lpft},
+                             "coefficient_search": {
+                                 "cmaes": {"objective": "daemon ProbeObjective", **ObjectiveConfig().model_dump(),
+                                           "tasks": "validation rows", "general": "STS-B dev pairs"},
+                                 "adamerging": {"objective": "entropy of the seen tasks' heads",
+                                                "examples": args.ada_examples, "steps": args.ada_steps,
+                                                "inputs": "a subsample of the RI auxiliary inputs"}},
                              "ri": {"policies": ri_wanted, "params": ri_params.__dict__, "aux_per_task": args.ri_aux,
                                     "aux": "unlabeled train-split inputs of the tasks seen so far"},
                              "recipe": {t: X.read_expert(experts[t])["recipe"] for t in tasks},
@@ -529,10 +579,11 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{pol}{var} {params} order={'file' if seed is None else seed}: {','.join(order)}")
             objective_for = None
             if params.get("coefficients") == "cmaes":
-                cm_rows = {t: X.subsample(val_rows[t], 32, seed=7) for t in tasks}
-
-                def objective_for(seen, cm_rows=cm_rows):
-                    return make_objective(ev, cm_rows, list(seen))
+                def objective_for(seen):
+                    return make_objective(experts, val_rows, sts_dev, list(seen), work / "objective")
+            elif params.get("coefficients") == "adamerging":
+                def objective_for(seen):
+                    return make_entropy_objective({t: heads[t] for t in seen}, aux_inputs(seen), args.ada_examples)
             full = seed is None or not args.final_only_shuffles
             want_uad = seed is None and pol in UAD_POLICIES and not var and not args.no_uad
             res = fold_stream(order, experts, pol, params, ev, work, full_steps=full, log=log, objective_for=objective_for,
@@ -542,7 +593,8 @@ def main(argv: list[str] | None = None) -> int:
                    "final": summarise(order, res, ref["expert_acc"]),
                    "steps": [{"t": s["t"], "task": s["task"], "acc": s["acc"], "G": s["G"],
                               "fold_seconds": s["fold_seconds"], "patch_ratio": s["patch_ratio"],
-                              "ri_seconds": s["ri_seconds"]} for s in res["steps"]],
+                              "ri_seconds": s["ri_seconds"], "search": s["search"], "coefficients": s["coefficients"],
+                              "layer_alphas": s["layer_alphas"]} for s in res["steps"]],
                    "diag": res["diag"]}
             if want_uad:
                 run["uad"] = uad(order, res, ev, order[0], log)

@@ -7,7 +7,8 @@ Readers
     training-checkpoint containers and wrapper prefixes are unwrapped by the rules of
     :mod:`mergestream.input_formats`). Safetensors headers are parsed by :mod:`mergestream.st` (a
     truncated file is refused at open) and tensors, legacy ones included, are read with positional
-    reads into memory the caller owns, so a tensor that has been used and dropped leaves no
+    reads into memory the caller owns (or, for checkpoints in object storage, ranged GETs:
+    :mod:`mergestream.s3_checkpoint`), so a tensor that has been used and dropped leaves no
     resident pages behind: peak RSS stays at a few tensors whatever the model size.
     Experts (a dense checkpoint or a PEFT LoRA adapter, both seen as task vectors) are opened by
     :mod:`mergestream.expert_readers`, which also holds :func:`~mergestream.expert_readers.content_sha256`.
@@ -36,7 +37,7 @@ from typing import Any
 
 import torch
 
-from . import st
+from . import s3_checkpoint, st
 from .errors import (
     CorruptCheckpointError,
     DtypeMismatchError,
@@ -150,8 +151,10 @@ class Checkpoint:
 
     def __init__(self, path: Path, metas: dict[str, TensorMeta], *, entries: dict[str, st.TensorEntry] | None = None,
                  legacy: dict[str, torch.Tensor] | None = None, metadata: dict[str, str] | None = None,
-                 files: list[Path] | None = None):
+                 files: list[Path] | None = None, source: Any = None):
         self.path = path
+        #: where a raw checkpoint's bytes come from when not local files (s3_checkpoint.S3Objects)
+        self._source = source
         self._metas = metas
         self._entries = entries
         self._legacy = legacy
@@ -231,7 +234,10 @@ class Checkpoint:
 
     def _pread(self, f: Path, out: torch.Tensor, offset: int) -> torch.Tensor:
         try:
-            st.pread_into(self._fd(f), out.numpy(), offset, str(f))
+            if self._source is not None:
+                self._source.pread_into(f, out.numpy(), offset)
+            else:
+                st.pread_into(self._fd(f), out.numpy(), offset, str(f))
         except (st.FormatError, OSError) as exc:
             raise _wrap_open_error(f, exc) from exc
         return out
@@ -299,6 +305,8 @@ class Checkpoint:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
+        if self._source is not None:
+            self._source.close()
 
     def __enter__(self) -> Checkpoint:
         return self
@@ -321,14 +329,14 @@ def file_sha256(files: list[Path]) -> str:
     return h.hexdigest()
 
 
-def _open_safetensors_files(path: Path, weight_map: dict[str, Path] | None,
-                            files: list[Path]) -> Checkpoint:
+def _open_safetensors_files(path: Path, weight_map: dict[str, Path] | None, files: list[Path],
+                            source: Any = None) -> Checkpoint:
     metas: dict[str, TensorMeta] = {}
     entries: dict[str, st.TensorEntry] = {}
     metadata: dict[str, str] | None = None
     for f in files:
         try:
-            hdr = st.read_header(f)
+            hdr = source.header(f) if source is not None else st.read_header(f)
         except st.FormatError as exc:
             raise CorruptCheckpointError(
                 f"{f}: unreadable or truncated safetensors file ({str(exc).removeprefix(f'{f}: ')})") from exc
@@ -349,7 +357,7 @@ def _open_safetensors_files(path: Path, weight_map: dict[str, Path] | None,
             if k not in entries or entries[k].file != f:
                 raise CorruptCheckpointError(
                     f"{path}: index names tensor {k!r} in {f.name}, but that shard does not hold it")
-    return Checkpoint(path, metas, entries=entries, metadata=metadata, files=list(files))
+    return Checkpoint(path, metas, entries=entries, metadata=metadata, files=list(files), source=source)
 
 
 def open_safetensors_file(path: str | os.PathLike) -> Checkpoint:
@@ -404,7 +412,9 @@ def open_checkpoint(path: str | os.PathLike, expect_keys: list[str] | None = Non
         path: a ``.safetensors`` file, a Hugging Face model folder (``model.safetensors``, or
             ``model.safetensors.index.json`` with its shards, or a single other ``*.safetensors``),
             or a legacy ``.bin``/``.pt``/``.pth``/``.ckpt`` state dict (loaded with
-            ``weights_only=True``), possibly inside a training checkpoint's container (logged).
+            ``weights_only=True``), possibly inside a training checkpoint's container (logged);
+            or an ``s3://`` URI or ``*.s3ref.json`` reference, read in place with ranged GETs
+            (:mod:`mergestream.s3_checkpoint`, which adds its own errors).
         expect_keys: the base's tensor names, when opening an expert: a wrapper prefix on every
             name of a legacy state dict is stripped when the base's names lack it (logged;
             :func:`mergestream.input_formats.wrapper_prefix`).
@@ -419,6 +429,13 @@ def open_checkpoint(path: str | os.PathLike, expect_keys: list[str] | None = Non
         UnsupportedCheckpointError: nothing loadable was found, or a legacy file holds no single
             state dict of tensors. QuantizedCheckpointError: a safetensors dtype of a quantized format.
     """
+    if s3_checkpoint.is_s3_path(path):  # object storage, read in place (s3_checkpoint.open_objects)
+        uri, weight_map, files, source = s3_checkpoint.open_objects(path)
+        try:
+            return _open_safetensors_files(uri, weight_map, files, source)
+        except BaseException:
+            source.close()
+            raise
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"{p}: no such file or folder")

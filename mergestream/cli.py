@@ -116,7 +116,8 @@ def cli(verbose: int) -> None:
 @click.option("--state", "state_dir", required=True, type=click.Path(), help="policy state folder")
 @click.option("--out", required=True, type=click.Path(), help="output model folder (must not exist)")
 @click.option("--id", "expert_id", help="expert id (default: the expert's file or folder name)")
-@click.option("--objective", help="package.module:function, for mdm_oc with --set coefficients=cmaes")
+@click.option("--objective", help="package.module:function, for mdm_oc with --set coefficients=cmaes "
+              "(black-box: alphas, weights -> loss) or =adamerging (differentiable: see mergestream.coefficients)")
 @click.option("--json", "as_json", is_flag=True, help="print the fold report as JSON")
 @_engine_options
 @_fail_cleanly

@@ -61,12 +61,15 @@ class RIConfig(_Section):
 
 class ObjectiveConfig(_Section):
     """The data-probe objective of CMA-ES coefficients (``mdm_oc`` with ``coefficients: cmaes``):
-    maximise task_weight × mean task accuracy + general_weight × the sentence_similarity probe."""
+    maximise task_weight × mean task accuracy + general_weight × the sentence_similarity probe.
+    ``coefficients: adamerging`` instead minimises the task heads' prediction entropy on the first
+    ``adamerging_examples`` inputs of ``ri.data`` (:mod:`mergestream.coefficients`)."""
 
     task_weight: float = Field(1.0, ge=0)
     general_weight: float = Field(1.0, ge=0)
     examples_per_task: int = Field(64, ge=1, description="first N rows of each task probe")
     general_pairs: int = Field(200, ge=2, description="first N pairs of the sentence_similarity probe")
+    adamerging_examples: int = Field(64, ge=1, description="adamerging: first N unlabeled inputs of ri.data")
 
 
 class PolicyConfig(_Section):
@@ -106,6 +109,9 @@ class PolicyConfig(_Section):
     def _ri_needs_data(self) -> PolicyConfig:
         if "ri" in self.preprocess and self.ri.data is None:
             raise ValueError("preprocess [ri] needs ri.data (a file of unlabeled auxiliary inputs)")
+        if self.make().searches_coefficients() == "adamerging" and self.ri.data is None:
+            raise ValueError("coefficients: adamerging learns on unlabeled inputs: set policy.ri.data (the RI "
+                             "auxiliary data file; ri itself need not be in preprocess)")
         return self
 
 
@@ -175,8 +181,8 @@ class S3Config(_Section):
     endpoint_url: str | None = Field(None, description="S3-compatible endpoint; default: AWS")
     region: str | None = Field(None, description="region; default: the AWS chain's, else us-east-1")
     interval_seconds: float = Field(30.0, gt=0, description="poll period (s)")
-    cache: bool = Field(True, description="download each expert into state_dir/cache/s3 before folding "
-                                          "(the only mode implemented)")
+    cache: bool = Field(True, description="download each expert into state_dir/cache/s3 before folding; "
+                                          "false: fold it in place with ranged reads (no local copy)")
     notify: S3NotifyConfig = Field(default_factory=S3NotifyConfig)
 
     @field_validator("prefix")
@@ -189,8 +195,6 @@ class S3Config(_Section):
     def _complete(self) -> S3Config:
         if self.enabled and not self.bucket:
             raise ValueError("s3.enabled needs s3.bucket")
-        if not self.cache:
-            raise ValueError("s3.cache: false (ranged streaming without a local copy) is not implemented")
         return self
 
 
@@ -361,7 +365,7 @@ class Config(BaseSettings):
     @model_validator(mode="after")
     def _cmaes_needs_data_probes(self) -> Config:
         p = self.policy
-        if p.make().searches_coefficients() and \
+        if p.make().searches_coefficients() == "cmaes" and \
                 not any(q.type in ("classification", "sentence_similarity") for q in self.probes):
             raise ValueError(f"{p.name} with {p.params} searches its coefficients on the data probes: add a "
                              "classification and/or sentence_similarity probe")
@@ -508,6 +512,7 @@ mlflow:
 #   prefix: incoming/
 #   endpoint_url: http://127.0.0.1:9000   # MinIO, Ceph, R2...; omit for AWS
 #   interval_seconds: 30
+#   cache: true                 # false: fold in place with ranged reads, no local copy
 # publish:
 #   uri: s3://models/backbone/  # mirror every published version; the object `current` is written last
 

@@ -19,6 +19,15 @@ class CorruptCheckpointError(CheckpointError):
     """A weight file is truncated, has an unreadable header, or cannot be parsed."""
 
 
+class ObjectChangedError(CorruptCheckpointError):
+    """An object in object storage was replaced (another ETag) after it was opened or recorded:
+    reading on would mix two versions."""
+
+
+class ObjectGoneError(CheckpointError):
+    """An object in object storage is absent: deleted, or never uploaded."""
+
+
 class MissingShardError(CheckpointError):
     """A shard named in ``model.safetensors.index.json`` is absent."""
 

@@ -35,10 +35,13 @@ from .errors import (
     MissingShardError,
     ModifiedBaseAdapterError,
     NonFiniteError,
+    ObjectChangedError,
+    ObjectGoneError,
     ShapeMismatchError,
     UnsupportedCheckpointError,
     VocabularyGrownError,
 )
+from .s3_checkpoint import is_s3_path
 
 
 class Expert(Protocol):
@@ -350,7 +353,8 @@ def is_lora_adapter(path: str | os.PathLike) -> bool:
 
 
 def open_expert(path: str | os.PathLike, base: Checkpoint) -> DenseExpert | LoraExpert:
-    """Open an expert against its base θ₀: a dense checkpoint or a PEFT LoRA adapter folder.
+    """Open an expert against its base θ₀: a dense checkpoint or a PEFT LoRA adapter folder; a
+    dense checkpoint may be in object storage (``s3://`` or a ``*.s3ref.json`` reference).
 
     A legacy pickle's wrapper prefix (``module.``, ``model.``) is stripped when θ₀'s names lack it
     (:func:`~mergestream.checkpoints.open_checkpoint`). Raises what :class:`LoraExpert` and
@@ -372,8 +376,25 @@ def content_sha256(path: str | os.PathLike) -> str:
       its files (a folder's files in relative-name order, a ``READY`` marker excluded), so a corrupt
       expert still gets one stable identity.
 
-    The engine computes the same value for a dense expert on the fold's own pass.
+    The engine computes the same value for a dense expert on the fold's own pass. An expert in
+    object storage (an ``s3://`` URI or a ``*.s3ref.json`` reference) is hashed the same way,
+    streamed with ranged GETs; one whose content does not parse is identified by its reference
+    file's bytes (its bucket, keys and ETags), and a URI that does not parse raises.
+
+    Raises:
+        ObjectGoneError, ObjectChangedError: an expert in object storage was deleted or replaced
+            (and the other errors of :func:`~mergestream.checkpoints.open_checkpoint` for a URI).
     """
+    if is_s3_path(path):
+        try:
+            with open_checkpoint(path) as ck:
+                return ck.sha256()
+        except (ObjectGoneError, ObjectChangedError):
+            raise
+        except (CorruptCheckpointError, UnsupportedCheckpointError, MissingShardError):
+            if not Path(path).is_file():
+                raise
+            return file_sha256([Path(path)])
     p = Path(path)
     try:
         if is_lora_adapter(p):

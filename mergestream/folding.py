@@ -8,7 +8,9 @@ checked before any data is read). Peak memory is a few tensors per worker thread
 model; Task Arithmetic (a :meth:`~mergestream.policies.Policy.linear_scale` policy) folds in
 chunks of each tensor. Integer/bool tensors are copied from θ₀; tensors tied in θ₀ (embeddings
 and LM head) are written as one. A policy that searches its coefficients (MDM-OC with CMA-ES)
-writes its output once, from the state, after the search.
+writes its output once, from the state, after the search; with ``coefficients: adamerging`` the
+search learns the new expert's per-layer coefficients (:mod:`.coefficients`) and the state is
+rewritten with them.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from .checkpoints import (
     tied_groups,
     validate_against_base,
 )
+from .coefficients import LayerObjective, learn_layer_coefficients, write_learned_state
 from .errors import (
     CorruptCheckpointError,
     MergestreamError,
@@ -80,7 +83,7 @@ Objective = Callable[[np.ndarray, Callable[[], Iterator[tuple[str, torch.Tensor]
 def fold(base: str | os.PathLike, backbone: str | os.PathLike | None, expert: str | os.PathLike,
          policy: str | Policy, params: dict[str, Any] | None = None, *, state_dir: str | os.PathLike,
          out: str | os.PathLike, expert_id: str | None = None, device: str = "cpu", threads: int | None = 1,
-         max_shard_bytes: int = DEFAULT_SHARD_BYTES, objective: Objective | None = None,
+         max_shard_bytes: int = DEFAULT_SHARD_BYTES, objective: Objective | LayerObjective | None = None,
          overwrite: bool = False, progress: bool = False, expect_sha256: str | None = None,
          tensor_hook: Callable[[str], None] | None = None, executor: Any = None) -> FoldReport:
     """Fold one expert into the backbone: θ_t = θ_{t−1} + Δ_t, tensor by tensor, reading it once.
@@ -96,7 +99,9 @@ def fold(base: str | os.PathLike, backbone: str | os.PathLike | None, expert: st
         threads: worker threads (None or 0: :func:`~mergestream.stream.default_threads`); peak
             memory grows by a few tensors per thread.
         max_shard_bytes: output shard cap (bytes).
-        objective: for a policy that searches coefficients (``mdm_oc`` with ``coefficients=cmaes``).
+        objective: for a policy that searches coefficients: ``mdm_oc`` with ``coefficients=cmaes``
+            (an :data:`Objective`) or ``coefficients=adamerging`` (a differentiable
+            :data:`~mergestream.coefficients.LayerObjective`).
         progress: show a progress bar on a terminal.
         expect_sha256: the content hash the caller recorded (the daemon's ledger); a fold whose
             expert hashes differently (changed since) is refused before anything is committed.
@@ -140,7 +145,7 @@ def fold(base: str | os.PathLike, backbone: str | os.PathLike | None, expert: st
     if man.base_tensors is not None and man.base_tensors != len(base_ck.keys()):
         raise StateError(f"state {sd.path} was built on another base ({man.base})")
     if pol.searches_coefficients() and objective is None:
-        raise PolicyError("coefficients=cmaes needs an objective (--objective module:function)")
+        raise PolicyError(f"coefficients={pol.searches_coefficients()} needs an objective (--objective module:function)")
     exp = open_expert(expert, base_ck)
     try:
         validate_against_base(base_ck, exp, role="expert", deep=False)
@@ -212,9 +217,21 @@ def _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, 
                 state_writer.close()
                 coeffs = list(prev_coeffs) + [coeff] if coeff is not None else None
                 found = None
-                if search:
+                record = pol.describe()
+                if search == "adamerging":  # the new expert's per-layer α, into a rewritten state file
+                    learned = sd.new_file("state")
+                    new_files.append(learned)
+                    profile, found = learn_layer_coefficients(pol, base_ck, _state_reader(state_path), objective, dev)
+                    write_learned_state(base_ck, _state_reader(state_path), profile, learned)
+                    new_files.remove(state_path)
+                    state_path.unlink()
+                    state_path = learned
+                    coeffs = list(prev_coeffs) + [float(np.mean(profile))]
+                    record = {**record, "layer_alphas": profile}
+                elif search:
                     coeffs, found = _optimise_coefficients(pol, base_ck, state_path, coeffs, list(prev_coeffs),
                                                            objective, dev)
+                if search:
                     _rewrite_from_state(pol, base_ck, state_path, coeffs, writer, dev, threads, aliases)
                 finish_model(writer, base_ck, stage, contrib, untied=loader.untied)
             except BaseException:
@@ -232,7 +249,7 @@ def _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, 
         raise
     finally:
         bar.close()
-    fold_rec = FoldRecord(id=eid, expert=str(Path(expert).resolve()), sha256=sha, params=pol.describe(),
+    fold_rec = FoldRecord(id=eid, expert=_abs(expert), sha256=sha, params=record,
                           coefficient=coeffs[-1] if coeffs else None,
                           contribution=final_name(contrib_path, sd.path) if store_contrib else None,
                           exact_restore=store_contrib, sha256_kind="weights")
@@ -240,13 +257,13 @@ def _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, 
     if coeffs:
         for f, c in zip(folds, coeffs):
             f.coefficient = float(c)
-    new_man = Manifest(policy=pol.name, base=str(Path(base).resolve()), base_tensors=len(base_ck.keys()),
+    new_man = Manifest(policy=pol.name, base=_abs(base), base_tensors=len(base_ck.keys()),
                        backbone=str(Path(out).resolve()), state_file=final_name(state_path, sd.path),
                        folds=folds + [fold_rec])
     sd.close()
     sd.commit(new_man, new_files)
     bytes_read = (loader.reader.bytes_read if loader.dense else 0) + stats.bytes_read
-    report = FoldReport(out=str(out), policy=pol.name, params=pol.describe(), experts=[eid],
+    report = FoldReport(out=str(out), policy=pol.name, params=record, experts=[eid],
                         seconds=time.perf_counter() - t0, bytes_read=bytes_read,
                         bytes_written=writer.bytes_written, stats=stats.summary(),
                         coefficients=[float(c) for c in coeffs] if coeffs else None, search=found, sha256=[sha],
@@ -256,7 +273,10 @@ def _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, 
 
 
 def _abs(path: str | os.PathLike) -> str:
-    """An input's absolute path, for workers whose working directory is not the driver's."""
+    """An input's absolute path, for workers whose working directory is not the driver's and for
+    the manifest; an ``s3://`` URI unchanged."""
+    if str(path).startswith("s3://"):
+        return str(path)
     return str(Path(path).resolve())
 
 

@@ -37,6 +37,7 @@ from .passes import (
     write_with_aliases,
 )
 from .policies import make_policy
+from .s3_checkpoint import is_s3_path
 from .state import SEP, Manifest, StateDir, final_name
 from .stream import Progress, run_stream
 from .writers import AppendWriter, ModelWriter, staged_output
@@ -181,7 +182,7 @@ def replay(sd: StateDir, k: int, *, out, base, device, threads, max_shard_bytes,
     man = sd.manifest
     remaining = [f for i, f in enumerate(man.folds) if i != k]
     for f in remaining:
-        if not Path(f.expert).exists():
+        if not is_s3_path(f.expert) and not Path(f.expert).exists():  # an S3 object is checked at open
             raise StateError(f"replay needs expert {f.id!r} at {f.expert}, which is gone")
     work = replay_work_dir(out)
     try:

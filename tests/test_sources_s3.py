@@ -297,7 +297,9 @@ def test_config_sections_and_their_errors(tmp_path):
     cfg = load_config(p)
     assert cfg.s3.prefix == "x/" and parse_s3_uri(cfg.publish.uri) == ("m", "p/")
     assert "s3" in REGISTRY
-    for bad, words in [("s3: {enabled: true}", "s3.bucket"), ("s3: {cache: false}", "not implemented"),
+    p.write_text("base: b.safetensors\ns3: {enabled: true, bucket: bk, cache: false}\n")
+    assert load_config(p).s3.cache is False  # read in place (tests/test_s3_checkpoint.py)
+    for bad, words in [("s3: {enabled: true}", "s3.bucket"),
                        ("publish: {uri: 'http://x'}", "s3://bucket/prefix/")]:
         p.write_text(f"base: b.safetensors\n{bad}\n")
         with pytest.raises(ConfigError, match=words):

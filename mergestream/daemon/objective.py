@@ -84,9 +84,10 @@ class ProbeObjective:
 
     @torch.no_grad()
     def load(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-        """Copy a streamed candidate into the resident encoder, one tensor at a time."""
+        """Copy a streamed candidate into the resident encoder, one tensor at a time (integer
+        tensors, e.g. ``position_ids``, are θ₀'s in every candidate: skipped)."""
         for name, t in weights:
-            if name.startswith("pooler.") and name not in self.params:
+            if (name.startswith("pooler.") and name not in self.params) or not t.is_floating_point():
                 continue
             dst = self._target(name)
             if dst.shape != t.shape:

@@ -215,8 +215,9 @@ class Pipeline:
         if rep.coefficients is not None:
             att.params["coefficients_all"] = [round(c, 6) for c in rep.coefficients]
         if rep.search is not None:
-            att.timings.update({f"cmaes_{k}": float(v) for k, v in rep.search.items()})
-            att.extra["cmaes"] = {**rep.search, "coefficients": rep.coefficients,
+            kind = str(rep.params.get("coefficients") or "cmaes")  # which search: cmaes | adamerging
+            att.timings.update({f"{kind}_{k}": float(v) for k, v in rep.search.items()})
+            att.extra[kind] = {**rep.search, "coefficients": rep.coefficients,
                                   "evaluations_log": [{"alphas": a, **v} for a, v in objective.evaluations]}
         return None
 

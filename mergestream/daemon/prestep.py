@@ -1,6 +1,10 @@
 """A fold's data-driven extras: the RI pre-step that adapts an expert before it is folded
 (``policy.preprocess: [ri]``), and the probe objective of a policy that searches its coefficients.
 
+``coefficients: adamerging`` gets :class:`~mergestream.coefficients.EntropyObjective` instead: the
+task heads RI uses (every accepted expert's and the candidate's) on RI's unlabeled inputs
+(``policy.ri.data``), through RI's feature model.
+
 RI: Resolving Interference (METHODS.md, "RI"), :func:`mergestream.ri.adapt_expert`. The adapted
 copy is written to ``state_dir/ri/<expert>``, the RI home of :class:`.store.KeptExperts` (the one
 place that keeps an accepted expert's files for replay, and removes them once no kept version
@@ -15,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..coefficients import EntropyObjective
 from ..config import Config
 from ..errors import MergestreamError
 from ..ri import RIError, RIParams, adapt_expert, load_feature_model, read_aux
@@ -102,9 +107,12 @@ class PreSteps:
         att.extra["ri"] = {**res.to_json(), "other_tasks": [s.task for s in others]}
         return str(path)
 
-    def objective(self, candidate_expert: Path | None) -> ProbeObjective:
+    def objective(self, candidate_expert: Path | None) -> ProbeObjective | EntropyObjective:
         """The coefficient search's objective on the data probes (task heads incl. the candidate's,
-        and the configured sentence_similarity probe), see :class:`.objective.ProbeObjective`."""
+        and the configured sentence_similarity probe), see :class:`.objective.ProbeObjective`; for
+        ``coefficients: adamerging`` :meth:`entropy_objective`."""
+        if self.cfg.policy.make().searches_coefficients() == "adamerging":
+            return self.entropy_objective(candidate_expert)
         oc = self.cfg.policy.objective
         general = next((p for p in self.prober.probes() if isinstance(p, SentenceSimilarityProbe)), None)
         base = Path(self.cfg.base)
@@ -112,3 +120,24 @@ class PreSteps:
                               task_weight=oc.task_weight, general_weight=oc.general_weight,
                               examples_per_task=oc.examples_per_task, general_pairs=oc.general_pairs,
                               device=self.cfg.device, on_eval=self.heartbeat)
+
+    def entropy_objective(self, candidate_expert: Path | None) -> EntropyObjective:
+        """AdaMerging's objective: the prediction entropy of every task head RI would use (the
+        accepted experts' and the candidate's) on the first ``objective.adamerging_examples``
+        inputs of ``ri.data``, through RI's feature model (``ri.forward``; pooling of the candidate's
+        task probe, else the first one's, as RI does).
+
+        Raises:
+            RIError: unreadable ``ri.data`` or feature model. CoefficientError: no task head.
+        """
+        rc, oc = self.cfg.policy.ri, self.cfg.policy.objective
+        specs = self.prober.task_specs(candidate_expert)
+        own = discover_task_probe(candidate_expert) if candidate_expert is not None else None
+        first = own or next(iter(specs), None)
+        pooling = first.pooling if first is not None else "mean"
+        base = Path(self.cfg.base)
+        tok = candidate_expert if candidate_expert is not None and has_tokenizer(candidate_expert) else base
+        fm = load_feature_model(rc.forward, tokenizer=tok, pooling=pooling, max_length=rc.max_length)
+        return EntropyObjective(base, {s.task: load_head(s.head, s.task) for s in specs},
+                                read_aux(rc.data, oc.adamerging_examples), feature_model=fm,
+                                batch_size=rc.batch_size, device=self.cfg.device, on_eval=self.heartbeat)

@@ -2,7 +2,8 @@
 verified downloads of objects.
 
 boto3 is an optional extra (``pip install 'mergestream[s3]'``) and is imported inside the functions
-here, so the daemon never imports it unless ``s3`` or ``publish.uri`` is configured.
+here and in :mod:`mergestream.s3_checkpoint` (the client, :func:`make_client`, and reading
+checkpoints in place), so the daemon never imports it unless ``s3`` or ``publish.uri`` is configured.
 
 Credentials come only from boto3's default chain (environment, shared config/credentials files,
 container or instance roles); nothing here reads, logs or counts a secret. :func:`describe` words
@@ -17,6 +18,9 @@ import os
 import re
 from pathlib import Path
 from typing import Any
+
+from ..s3_checkpoint import error_code as _code
+from ..s3_checkpoint import make_client  # noqa: F401  (the one home of the client; re-exported here)
 
 log = logging.getLogger(__name__)
 
@@ -40,32 +44,6 @@ class ObjectError(Exception):
         self.kind = kind
 
 
-def make_client(endpoint_url: str | None = None, region: str | None = None, *, connect_timeout: float = 5.0,
-                read_timeout: float = 30.0, max_attempts: int = 2):
-    """A boto3 S3 client with credentials from the default AWS chain.
-
-    Args:
-        endpoint_url: an S3-compatible endpoint (MinIO, Ceph, R2, a moto server); None: AWS.
-        region: the region name; None: the chain's (``AWS_DEFAULT_REGION``, config file), else
-            ``us-east-1``.
-        connect_timeout, read_timeout: seconds, so an unreachable endpoint fails a poll quickly.
-        max_attempts: botocore's total attempts per call (its standard retry mode).
-
-    Raises:
-        ImportError: boto3 is not installed (with the extra to install).
-    """
-    try:
-        import boto3
-        from botocore.config import Config as BotoConfig
-    except ImportError:
-        raise ImportError("object storage needs boto3: pip install 'mergestream[s3]'") from None
-    region = region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
-    cfg = BotoConfig(connect_timeout=connect_timeout, read_timeout=read_timeout,
-                     retries={"max_attempts": max_attempts, "mode": "standard"},
-                     s3={"addressing_style": "path"} if endpoint_url else None)
-    return boto3.session.Session().client("s3", endpoint_url=endpoint_url, region_name=region, config=cfg)
-
-
 def parse_s3_uri(uri: str) -> tuple[str, str]:
     """``s3://bucket/prefix/`` -> ``("bucket", "prefix/")`` (the prefix ends with ``/`` unless empty).
 
@@ -79,14 +57,6 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
         raise ValueError(f"{uri!r} names no bucket")
     prefix = prefix.lstrip("/")
     return bucket, (prefix if not prefix or prefix.endswith("/") else prefix + "/")
-
-
-def _code(exc: BaseException) -> str:
-    resp = getattr(exc, "response", None)
-    if isinstance(resp, dict):
-        err = resp.get("Error") or {}
-        return str(err.get("Code") or resp.get("ResponseMetadata", {}).get("HTTPStatusCode") or "")
-    return ""
 
 
 def classify(exc: BaseException) -> ObjectError:

@@ -18,9 +18,9 @@ clips to [0, 1]); the best iterate seen is returned (never worse than the start)
 
 This module is the math (no I/O, no model classes): a forward function ``f(params) -> features``
 is supplied by the caller (e.g. :func:`torch.func.functional_call` of a Hugging Face encoder plus
-pooling). Using it as the engine's coefficient mode beside ``fixed`` and ``cmaes`` needs an
-engine hook that hands a differentiable objective to :func:`adamerging_coefficients` instead of
-CMA-ES's black-box one (not wired yet).
+pooling). The engine's coefficient mode beside ``fixed`` and ``cmaes`` (MDM-OC
+``coefficients=adamerging``) is built on it in :mod:`mergestream.coefficients`: one fold learns
+its own expert's per-layer λ, with earlier experts at the values the state holds.
 """
 
 from __future__ import annotations

@@ -127,10 +127,11 @@ class Policy:
         """
         return None
 
-    def searches_coefficients(self) -> bool:
-        """Capability: the fold searches the coefficients of every folded expert on an objective
-        (the engine then writes the output once, from the state, after the search)."""
-        return False
+    def searches_coefficients(self) -> str | None:
+        """Capability: which search the fold runs on an objective after its pass (a truthy name,
+        e.g. ``"cmaes"`` or ``"adamerging"``), or None; with a search the engine writes the output
+        once, from the state, after it."""
+        return None
 
     def refold_params(self, coefficient: float | None) -> dict[str, Any]:
         """Capability: the parameters that fold this expert again without an objective (replay),

@@ -13,11 +13,16 @@ Per tensor (METHODS.md §mdm_oc):
    — our choice of the subspace variant (right side).
 3. θ = θ₀ + Σ αᵢ δᵢ⊥ (eq. 5). Coefficients fixed (α = ``alpha``) or optimised with CMA-ES over all α
    jointly with a quadratic stability penalty on moving earlier α (eq. 7, the EWC-style term):
-   see :func:`cmaes_coefficients`.
+   see :func:`cmaes_coefficients`. Or per layer (``coefficients=adamerging``): the new direction
+   gets one α per layer group, learned by entropy minimisation on unlabeled inputs
+   (:mod:`.adamerging`, run by the engine, :mod:`mergestream.coefficients`); earlier experts keep
+   theirs. ``layer_alphas`` folds with given per-layer α (what replay of such a fold uses).
 4. Unmerge expert k: θ − α_k δ_k⊥ (exact up to rounding); the state drops direction k.
 
 State per tensor: vector form ``Q`` (k, numel) unit directions and ``norms`` (k,); factored form
-``L`` (m, k·r), ``R`` (n, k·r) and ``norms`` (k,).
+``L`` (m, k·r), ``R`` (n, k·r) and ``norms`` (k,). Once any fold used per-layer α, also ``alphas``
+(k,) float32: the α each direction has in this tensor (then it, not the manifest's one α per
+expert, is what :meth:`MdmOc.rebuild` and :meth:`MdmOc.contribution` use).
 """
 
 from __future__ import annotations
@@ -30,7 +35,9 @@ import numpy as np
 import torch
 from pydantic import Field
 
+from ..errors import PolicyError
 from .base import Policy, PolicyParams, Tensor, TensorContext, TensorFold, TensorState
+from .lines import layer_index
 
 log = logging.getLogger(__name__)
 
@@ -99,11 +106,19 @@ def orthogonal_factors(tau: Tensor, r_prev: Tensor, rank: int, *, seed: int = 0)
 class MdmOcParams(PolicyParams):
     alpha: float = Field(0.3, description="fixed coefficient α of each new direction (also CMA-ES start)")
     rank: int = Field(0, ge=0, description="0: vector Gram–Schmidt; r > 0: factored rank-r directions for 2-D weights")
-    coefficients: Literal["fixed", "cmaes"] = Field("fixed", description="fixed α or CMA-ES on an objective")
+    coefficients: Literal["fixed", "cmaes", "adamerging"] = Field(
+        "fixed", description="fixed α, CMA-ES on an objective, or per-layer α by entropy minimisation (AdaMerging)")
     stability: float = Field(1.0, ge=0, description="weight of the penalty on moving earlier α")
     budget: int = Field(40, ge=1, description="CMA-ES objective evaluations")
     sigma: float = Field(0.1, gt=0, description="CMA-ES initial step size")
     min_norm_ratio: float = Field(1e-6, ge=0, description="δ⊥ smaller than this fraction of ‖τ‖ is dropped")
+    layer_alphas: list[float] | None = Field(
+        None, description="per-layer α of the new direction: [outside the blocks, block 0, ..., block L-1] "
+                          "(overrides alpha; recorded by adamerging folds, used by their replay)")
+    ada_steps: int = Field(30, ge=0, description="adamerging: Adam steps (0: the starting α)")
+    ada_lr: float = Field(0.01, gt=0, description="adamerging: Adam learning rate")
+    ada_max_mib: float = Field(4096.0, gt=0, description="adamerging: refuse a model whose θ₀ + new direction "
+                                                         "(float32, in memory) exceed this (MiB)")
 
 
 class MdmOc(Policy):
@@ -114,22 +129,60 @@ class MdmOc(Policy):
     coefficient_param = "alpha"
     contributions_in_state = True
 
-    def searches_coefficients(self) -> bool:
-        """True with ``coefficients=cmaes`` (CMA-ES over every α on an objective, §3 step 3)."""
-        return self.params.coefficients == "cmaes"
+    def searches_coefficients(self) -> str | None:
+        """Which search the engine runs after the fold pass (truthy), or None for fixed α:
+        ``"cmaes"`` (every α on a black-box objective, §3 step 3) or ``"adamerging"`` (the new
+        direction's per-layer α on a differentiable one, :mod:`mergestream.coefficients`)."""
+        return None if self.params.coefficients == "fixed" else self.params.coefficients
+
+    def coefficient(self) -> float | None:
+        """α of the new direction: ``alpha``, or the mean of ``layer_alphas`` (the per-tensor
+        values are in the state)."""
+        la = self.params.layer_alphas
+        return float(np.mean(la)) if la else float(self.params.alpha)
 
     def refold_params(self, coefficient: float | None) -> dict[str, Any]:
-        """Replay has no objective: a searched fold is refolded with the α it recorded."""
+        """Replay has no objective: a searched fold is refolded with the α it recorded (an
+        adamerging fold with its recorded ``layer_alphas``)."""
         params = self.describe()
         if self.searches_coefficients():
             params.update(coefficients="fixed", alpha=params["alpha"] if coefficient is None else coefficient)
         return params
 
+    def _alpha_of(self, ctx: TensorContext) -> float:
+        """α of the new direction in tensor ``ctx.name`` (its layer group's, with ``layer_alphas``)."""
+        la = self.params.layer_alphas
+        if la is None:
+            return self.params.alpha
+        idx = layer_index(ctx.name)
+        g = 0 if idx is None else idx + 1
+        if (ctx.n_blocks and len(la) != ctx.n_blocks + 1) or g >= len(la):
+            raise PolicyError(f"mdm_oc: layer_alphas has {len(la)} values, the model needs {max(ctx.n_blocks, g) + 1} "
+                              f"(outside the blocks, then one per block; tensor {ctx.name})")
+        return float(la[g])
+
+    def _alphas_state(self, state: TensorState, ctx: TensorContext, alpha: float, k: int) -> TensorState:
+        """The per-tensor ``alphas`` field after this fold, or {} while every fold used one α."""
+        p = self.params
+        if "alphas" not in state and p.layer_alphas is None and p.coefficients != "adamerging":
+            return {}
+        if p.coefficients == "cmaes":
+            raise PolicyError("mdm_oc: coefficients=cmaes cannot continue a state folded with per-layer α "
+                              "(adamerging or layer_alphas); use fixed or adamerging")
+        prev = state.get("alphas")
+        if prev is None:
+            if len(ctx.coefficients) != k:
+                raise PolicyError(f"tensor {ctx.name}: {k} stored directions but {len(ctx.coefficients)} coefficients")
+            prev = torch.tensor(ctx.coefficients, dtype=torch.float32)
+        return {"alphas": torch.cat([prev.float().cpu(), torch.tensor([alpha], dtype=torch.float32)])}
+
     def fold_tensor(self, base: Tensor, backbone: Tensor, tau: Tensor, state: TensorState,
                     ctx: TensorContext) -> TensorFold:
         p = self.params
+        alpha = self._alpha_of(ctx)
         tau_norm = float(tau.norm())
         norms = state.get("norms", tau.new_zeros(0))
+        alphas = self._alphas_state(state, ctx, alpha, norms.shape[0])
         if p.rank > 0 and tau.ndim == 2:
             L_prev = state.get("L", tau.new_zeros(tau.shape[0], 0))
             R_prev = state.get("R", tau.new_zeros(tau.shape[1], 0))
@@ -140,7 +193,7 @@ class MdmOc(Policy):
                 norm = 0.0
             direction = L @ R.T
             new_state = {"L": torch.cat([L_prev, L], 1), "R": torch.cat([R_prev, R], 1),
-                         "norms": torch.cat([norms, norms.new_tensor([norm])])}
+                         "norms": torch.cat([norms, norms.new_tensor([norm])]), **alphas}
         else:
             Q = state.get("Q", tau.new_zeros(0, tau.numel()))
             unit = gram_schmidt(tau.reshape(-1), Q, inplace=True)  # τ's buffer becomes δ⊥, then q
@@ -151,12 +204,12 @@ class MdmOc(Policy):
             else:
                 unit.div_(norm)
             stacked = unit[None] if Q.shape[0] == 0 else torch.cat([Q, unit[None]], 0)
-            new_state = {"Q": stacked, "norms": torch.cat([norms, norms.new_tensor([norm])])}
+            new_state = {"Q": stacked, "norms": torch.cat([norms, norms.new_tensor([norm])]), **alphas}
             kept = norm / tau_norm if tau_norm > 0 else 0.0
             # Δ_t = α·‖δ⊥‖·q, applied by the engine as a scale: no tensor-sized temporary
-            return TensorFold(unit.view_as(tau), new_state, {"orthogonal_fraction": kept}, scale=p.alpha * norm)
+            return TensorFold(unit.view_as(tau), new_state, {"orthogonal_fraction": kept}, scale=alpha * norm)
         kept = norm / tau_norm if tau_norm > 0 else 0.0
-        return TensorFold(direction.mul_(p.alpha), new_state, {"orthogonal_fraction": kept})
+        return TensorFold(direction.mul_(alpha), new_state, {"orthogonal_fraction": kept})
 
     def _direction(self, state: TensorState, index: int, shape: torch.Size) -> Tensor:
         if "Q" in state:
@@ -167,14 +220,19 @@ class MdmOc(Policy):
 
     def contribution(self, state: TensorState, index: int, coefficient: float | None,
                      shape: torch.Size) -> Tensor | None:
-        """α_k δ_k⊥ for expert ``index`` (float32, ``shape``), rebuilt from the state."""
+        """α_k δ_k⊥ for expert ``index`` (float32, ``shape``), rebuilt from the state (α_k: the
+        state's per-tensor ``alphas`` where present, else ``coefficient``)."""
         if "norms" not in state:
             return None
+        if "alphas" in state:
+            coefficient = float(state["alphas"][index])
         return self._direction(state, index, shape).mul_(float(coefficient))
 
     def drop_from_state(self, state: TensorState, index: int) -> TensorState:
         keep = [i for i in range(state["norms"].shape[0]) if i != index]
         out = {"norms": state["norms"][keep]}
+        if "alphas" in state:
+            out["alphas"] = state["alphas"][keep]
         if "Q" in state:
             out["Q"] = state["Q"][keep]
         else:
@@ -184,10 +242,12 @@ class MdmOc(Policy):
         return out
 
     def rebuild(self, base: Tensor, state: TensorState, coefficients: list[float]) -> Tensor:
-        """θ₀ + Σ αᵢ δᵢ⊥ (float32, θ₀'s shape)."""
+        """θ₀ + Σ αᵢ δᵢ⊥ (float32, θ₀'s shape); αᵢ from the state's ``alphas`` where present."""
         out = base.clone()
         if "norms" not in state:
             return out
+        if "alphas" in state:
+            coefficients = [float(a) for a in state["alphas"]]
         for i, a in enumerate(coefficients):
             out += self._direction(state, i, base.shape).mul_(a)
         return out

@@ -21,13 +21,25 @@ the newest tag taken per key is the ledger cursor ``s3:<bucket>/<key>``, advance
 :meth:`S3Source.on_enqueued`, so each version is taken once, across restarts too, and a re-upload
 with new content (a new ETag) is a new expert.
 
-Reading (``s3.cache: true``, the only mode implemented): every object is streamed into
+Reading, ``s3.cache: true`` (the default): every object is streamed into
 ``<state>/cache/s3/<bucket>/<version id>/`` (a temporary folder renamed into place when whole),
 with ``IfMatch: <ETag>`` (a replaced object fails instead of mixing versions), its byte count
 checked against the listing and, for single-part uploads, its MD5 against the ETag; safetensors
 files are then checked complete with :func:`mergestream.st.read_header`. Then an
 :class:`~.base.ExpertReady` with the local path is emitted, as the MLflow source does; the service
-hashes and folds it. Ranged streaming without a local copy is not implemented.
+hashes and folds it.
+
+Reading, ``s3.cache: false``: nothing is downloaded. The source writes a reference file
+``<state>/s3-refs/<bucket>/<version id>/<name>.s3ref.json`` (:class:`mergestream.s3_checkpoint.S3Ref`:
+the URI, the endpoint, and the key, ETag and size of every object of that version) and emits its
+path; the service hashes the expert and the engine folds it through it with ranged GETs
+(:mod:`mergestream.s3_checkpoint`), every read pinned to the listed ETag. The size was verified
+before (single files: the header's declared size, at readiness; every object: at open against
+the reference), the content hash on the fold's own pass. The daemon's kept copy of an accepted
+expert (``state/experts/<id>/``) is then that reference (a few hundred bytes): replay re-reads
+the objects from the bucket and refuses, with :class:`~mergestream.errors.ObjectChangedError` or
+:class:`~mergestream.errors.ObjectGoneError`, when they were replaced or deleted since. A PEFT
+adapter folder (``adapter_config.json``; small) is downloaded to the cache in both modes.
 
 Errors (endpoint unreachable, access denied, bucket missing, an object deleted or replaced while
 read, a truncated object): an error log line that names the bucket, key and kind, ``on_error``
@@ -51,7 +63,16 @@ from typing import TYPE_CHECKING, Any
 
 from ... import st
 from ...errors import MergestreamError
-from ..s3client import ObjectError, classify, describe, download_object, make_client, quoted, read_range
+from ...s3_checkpoint import REF_SUFFIX, S3Ref
+from ..s3client import (
+    ObjectError,
+    classify,
+    describe,
+    download_object,
+    make_client,
+    quoted,
+    read_range,
+)
 from .base import Cursors, Emit, ExpertReady, Source, SourceContext
 from .readiness import MARKER_NAME, is_temporary_name
 
@@ -200,6 +221,8 @@ class S3Source(Source):
             exceptions are logged and swallowed.
         cursors: the newest tag taken per key (None: remembered while this source lives).
         note: ``note(subject, message_or_None, level)`` keeps what ``status`` shows.
+        cache: False: emit a reference file (under ``refs_dir``) instead of a download (see the
+            module docstring); ``endpoint_url`` and ``region`` are written into it for the readers.
 
     Raises:
         ValueError: ``interval_seconds`` <= 0 or a prefix that does not end in ``/``.
@@ -211,13 +234,17 @@ class S3Source(Source):
 
     def __init__(self, bucket: str, prefix: str, emit: Emit, *, client: Callable[[], Any], cache_dir: Path,
                  interval_seconds: float = 30.0, on_error: Callable[[Exception], None] | None = None,
-                 cursors: Cursors | None = None, note: Callable[[str, str | None, str], None] | None = None):
+                 cursors: Cursors | None = None, note: Callable[[str, str | None, str], None] | None = None,
+                 cache: bool = True, refs_dir: Path | None = None, endpoint_url: str | None = None,
+                 region: str | None = None):
         if interval_seconds <= 0:
             raise ValueError(f"interval_seconds must be > 0, got {interval_seconds}")
         if prefix and not prefix.endswith("/"):
             raise ValueError(f"prefix {prefix!r} must be empty or end with '/'")
         self.bucket, self.prefix, self.emit = bucket, prefix, emit
         self.cache_dir = Path(cache_dir)
+        self.cache, self.endpoint_url, self.region = cache, endpoint_url, region
+        self.refs_dir = Path(refs_dir) if refs_dir is not None else self.cache_dir.parent / "s3-refs"
         self.interval_seconds = float(interval_seconds)
         self.on_error, self.cursors, self.note = on_error, cursors, note
         self._client_factory = client
@@ -385,7 +412,7 @@ class S3Source(Source):
     def _take(self, cand: Candidate) -> ExpertReady | None:
         """Download, verify and emit one expert version; None if it failed (reported)."""
         try:
-            path = self._download(cand)
+            path = self._download(cand) if self.cache or _is_adapter(cand) else self._reference(cand)
         except ObjectError as err:
             if err.kind in ("unreachable", "changed"):  # transient: said each time, not remembered
                 log.error("s3 download of s3://%s/%s failed: %s", self.bucket, cand.key, describe(err))
@@ -408,6 +435,17 @@ class S3Source(Source):
         self._taken[cand.key] = cand.tag  # durable once enqueued (on_enqueued)
         log.info("expert ready source=s3 id=%s key=%s uri=%s", ev.expert_id, cand.key, ev.uri)
         return ev
+
+    def _reference(self, cand: Candidate) -> Path:
+        """The reference file of ``cand`` (``s3.cache: false``): written, not downloaded.
+
+        Raises:
+            OSError: the reference cannot be written.
+        """
+        vid = hashlib.sha256(f"{cand.key}\0{cand.tag}".encode()).hexdigest()[:24]
+        objects = {o.key: {"etag": o.etag, "size": o.size} for o in cand.objects}
+        ref = S3Ref(f"s3://{self.bucket}/{cand.key}", objects, self.endpoint_url, self.region)
+        return ref.write(self.refs_dir / self.bucket / vid / f"{cand.name}{REF_SUFFIX}")
 
     def _download(self, cand: Candidate) -> Path:
         """The verified local copy of ``cand`` in the cache (downloaded unless already there):
@@ -443,6 +481,11 @@ class S3Source(Source):
             shutil.rmtree(tmp, ignore_errors=True)
         log.info("downloaded s3://%s/%s (%d objects) to %s", self.bucket, cand.key, len(cand.objects), final)
         return final / top
+
+
+def _is_adapter(cand: Candidate) -> bool:
+    """True for a PEFT adapter folder (always downloaded: small, and read as local files)."""
+    return cand.folder and any(o.key == f"{cand.key}adapter_config.json" for o in cand.objects)
 
 
 def version_exists(client: Callable[[], Any], rkey: str) -> bool:
@@ -499,6 +542,7 @@ def build(cfg: Config, emit: Emit, context: SourceContext) -> list[Source]:
         return []
     src = S3Source(s.bucket or "", s.prefix, emit, client=_client_of(cfg), cache_dir=cfg.state_dir / "cache" / "s3",
                    interval_seconds=s.interval_seconds, on_error=lambda exc: context.on_error(NAME, exc),
+                   cache=s.cache, refs_dir=cfg.state_dir / "s3-refs", endpoint_url=s.endpoint_url, region=s.region,
                    cursors=context.cursors,
                    note=lambda subject, message, level: context.note(NAME, subject, message, level))
     n = s.notify
