@@ -39,7 +39,12 @@ import torch
 from .checkpoints import Checkpoint, is_float_dtype
 from .errors import MergestreamError, PolicyError
 from .policies import Policy
-from .policies.adamerging import adamerging_coefficients, layer_groups, merge_layerwise, prediction_entropy
+from .policies.adamerging import (
+    adamerging_coefficients,
+    layer_groups,
+    merge_layerwise,
+    prediction_entropy,
+)
 from .policies.lines import block_count
 from .ri import AuxItem, FeatureModel, Head, _match_names
 from .state import SEP

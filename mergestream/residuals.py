@@ -30,7 +30,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .checkpoints import Checkpoint, TensorMeta, check_finite_tensor, is_float_dtype, open_safetensors_file
+from .checkpoints import (
+    Checkpoint,
+    TensorMeta,
+    check_finite_tensor,
+    is_float_dtype,
+    open_safetensors_file,
+)
 from .errors import NonFiniteError
 from .writers import AppendWriter, tensor_bytes
 
