@@ -93,11 +93,8 @@ def is_float_dtype(dtype: torch.dtype) -> bool:
 
 
 def count_non_finite(t: torch.Tensor, chunk: int = 1 << 20) -> int:
-    """Number of NaN/±Inf entries, checked in chunks so temporaries stay small.
-
-    ``torch.isfinite`` on a whole float tensor allocates a same-sized float temporary (|x|) plus
-    boolean masks; chunking bounds that at ``chunk`` elements.
-    """
+    """Number of NaN/±Inf entries, counted in chunks of ``chunk`` elements (``torch.isfinite`` on a
+    whole tensor allocates a same-sized temporary plus masks)."""
     if not t.is_floating_point():
         return 0
     flat = t.reshape(-1)
@@ -551,6 +548,15 @@ def check_frozen(name: str, got: torch.Tensor, want: torch.Tensor, where: str, b
             "integer/bool tensors are never merged and must equal the base")
 
 
+def sum_is_finite(t: torch.Tensor) -> bool:
+    """Whether one sum of float tensor ``t`` is finite (False: NaN/±Inf, or an overflow). In ``t``'s
+    dtype: ``dtype=float32`` on bf16 materialises a float32 copy (~20x slower); float16 (range
+    65504, easily overflowed by a sum) is the exception."""
+    if t.dtype == torch.float16:
+        return bool(torch.isfinite(t.sum(dtype=torch.float32)))
+    return bool(torch.isfinite(t.sum()))
+
+
 def check_finite_tensor(name: str, t: torch.Tensor, where: str) -> None:
     """Raise NonFiniteError if float tensor ``t`` holds NaN/±Inf.
 
@@ -559,7 +565,7 @@ def check_finite_tensor(name: str, t: torch.Tensor, where: str) -> None:
     """
     if not t.is_floating_point() or t.numel() == 0:
         return
-    if bool(torch.isfinite(t.sum(dtype=torch.float32))):
+    if sum_is_finite(t):
         return
     bad = count_non_finite(t)
     if bad:

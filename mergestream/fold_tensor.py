@@ -34,6 +34,7 @@ from .passes import (
 from .policies import Policy, TensorContext
 from .policies.lines import block_count
 from .state import SEP, StateDir
+from .stream import scratch
 
 
 @dataclass
@@ -96,19 +97,24 @@ class TensorFolder:
             write_with_aliases(out.writer, name, e, self.aliases)
             out.stats.add({}, meta.numel, meta.nbytes * (1 if first else 2))  # θ₀ (and θ_{t−1})
             return
-        b = base_ck.get(name).to(dev, torch.float32)
+        # θ₀ and θ_{t−1} go into this thread's scratch buffers (stream.scratch: no fresh pages per
+        # tensor); float32 on the CPU is read straight into the buffer the policy gets
+        b_raw = _read(base_ck, name, "base_raw")
+        b = b_raw if _as_is(meta.dtype, dev) else scratch("base", meta.numel, torch.float32, dev).view(meta.shape).copy_(b_raw)
         # θ_{t−1} as stored is kept only when its residual is stored (not for policies whose
         # contributions live in their state), so memory stays at a few tensors
         prev_s = None
         if first:
-            bb = b.clone()
+            bb = scratch("backbone", meta.numel, torch.float32, dev).view(meta.shape).copy_(b)
             if contrib is not None:
-                prev_s = b if meta.dtype == torch.float32 else b.to(meta.dtype)
+                prev_s = b_raw  # θ₀ as stored (b is its exact float32 widening)
         else:
-            prev_s = cur.get(name)
-            bb = prev_s.to(dev, torch.float32, copy=contrib is not None)
-            if contrib is None:
-                prev_s = None
+            prev_raw = _read(cur, name, "prev_raw")
+            if contrib is None and _as_is(meta.dtype, dev):
+                bb = prev_raw
+            else:
+                bb = scratch("backbone", meta.numel, torch.float32, dev).view(meta.shape).copy_(prev_raw)
+                prev_s = prev_raw if contrib is not None else None
         tau = self.exp.task_vector(name, b).to(dev) if e is None else e.to(dev, torch.float32).sub_(b)
         if e is None:
             check_finite_tensor(name, tau, f"LoRA delta of {self.where}")
@@ -120,13 +126,26 @@ class TensorFolder:
         res = self.pol.fold_tensor(b, bb, tau, st, ctx)
         del b, tau
         if not self.search:  # a coefficient search writes the output once, from the state
-            result = cast_checked(bb.add_(res.delta, alpha=res.scale), meta.dtype, name)
+            result = cast_checked(bb.add_(res.delta, alpha=res.scale), meta.dtype, name,
+                                  out=scratch("result", meta.numel, meta.dtype).view(meta.shape))
             write_with_aliases(out.writer, name, result, self.aliases)
             if contrib is not None:
                 contrib.add(name, result, prev_s)
         for k, v in res.state.items():
             out.state_writer.write(f"{name}{SEP}{k}", v.cpu())
         out.stats.add(res.stats, meta.numel, meta.nbytes * (1 if first else 2))  # θ₀ (and θ_{t−1})
+
+
+def _read(ck: Checkpoint, name: str, slot: str) -> torch.Tensor:
+    """Tensor ``name`` of ``ck`` as stored (CPU, its dtype and shape), in this thread's scratch
+    buffer ``slot`` (valid until the thread reads into that slot again)."""
+    m = ck.meta(name)
+    return ck.read_into(name, scratch(slot, m.nbytes, torch.uint8)).view(m.dtype).view(m.shape)
+
+
+def _as_is(dtype: torch.dtype, dev: torch.device) -> bool:
+    """True when a stored tensor is already what the policy computes on (float32 on the CPU)."""
+    return dtype == torch.float32 and dev.type == "cpu"
 
 
 @dataclass

@@ -26,6 +26,7 @@ from .checkpoints import (
     check_frozen,
     is_float_dtype,
     open_checkpoint,
+    sum_is_finite,
     validate_against_base,
 )
 from .errors import NonFiniteError
@@ -107,13 +108,16 @@ class Stats:
         return out
 
 
-def cast_checked(x: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
+def cast_checked(x: torch.Tensor, dtype: torch.dtype, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` (a fold's or unmerge's result) cast to the storage dtype on the CPU; NonFiniteError if
-    it is not finite there (overflow)."""
-    out = x.to(dtype) if x.dtype != dtype else x
-    out = out.cpu() if out.device.type != "cpu" else out
-    if out.is_floating_point() and out.numel() and not bool(torch.isfinite(out.sum(dtype=torch.float32))) \
-            and not bool(torch.isfinite(out).all()):
+    it is not finite there (overflow). ``out``: a CPU buffer of ``x``'s shape in ``dtype`` to cast
+    into (used only when a cast or a device copy is needed; else ``x`` itself is returned)."""
+    if out is not None and (x.dtype != dtype or x.device.type != "cpu"):
+        out = out.copy_(x)
+    else:
+        out = x.to(dtype) if x.dtype != dtype else x
+        out = out.cpu() if out.device.type != "cpu" else out
+    if out.is_floating_point() and out.numel() and not sum_is_finite(out) and not bool(torch.isfinite(out).all()):
         raise NonFiniteError(f"tensor {name}: the result is not finite in {dtype} (overflow?); nothing written")
     return out
 

@@ -24,12 +24,12 @@ Fold paths: :meth:`ResidualWriter.add` for whole tensors (computed in chunks); :
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from . import stream
 from .checkpoints import (
     Checkpoint,
     TensorMeta,
@@ -38,6 +38,7 @@ from .checkpoints import (
     open_safetensors_file,
 )
 from .errors import NonFiniteError
+from .stream import scratch
 from .writers import AppendWriter, tensor_bytes
 
 EXACT_INDEX = "::exact_index"
@@ -121,12 +122,12 @@ class ResidualWriter:
             bit for bit.
         """
         dev, dtype, k = out_s.device, out_s.dtype, out_s.numel()
-        d = _buffer("d", k, out_m.dtype, dev)
+        d = scratch("d", k, out_m.dtype, dev)
         torch.sub(out_m, prev_m, out=d)
-        r = _buffer("r", k, dtype, dev).copy_(d)
+        r = scratch("r", k, dtype, dev).copy_(d)
         d.copy_(r)  # widened into a buffer: a mixed-dtype op would allocate a temporary per call (10x slower)
         out_m.sub_(d)
-        back = _buffer("back", k, dtype, dev).copy_(out_m)
+        back = scratch("back", k, dtype, dev).copy_(out_m)
         self._w.write_range(start + elem_offset * dtype.itemsize, tensor_bytes(r))
         prev_s = prev_s.to(dev)
         idx = differing_bits(back, prev_s)
@@ -149,16 +150,14 @@ class ResidualWriter:
         Works in chunks of :data:`~mergestream.stream.CHUNK_ELEMENTS` with per-thread buffers, so
         the residual costs no tensor-sized temporaries.
         """
-        from .stream import CHUNK_ELEMENTS
-
         start = self._w.reserve(name, tuple(out_s.shape), out_s.dtype)
         out_f, prev_f = out_s.reshape(-1), prev_s.reshape(-1)
         m, dev = math_dtype(out_s.dtype), out_s.device
         exceptions = []
-        for s in range(0, out_f.numel(), CHUNK_ELEMENTS):
-            k = min(CHUNK_ELEMENTS, out_f.numel() - s)
+        for s in range(0, out_f.numel(), stream.CHUNK_ELEMENTS):
+            k = min(stream.CHUNK_ELEMENTS, out_f.numel() - s)
             o, p = out_f[s:s + k], prev_f[s:s + k].to(dev)
-            exc = self.chunk(start, s, o, _buffer("am", k, m, dev).copy_(o), p, _buffer("ap", k, m, dev).copy_(p))
+            exc = self.chunk(start, s, o, scratch("am", k, m, dev).copy_(o), p, scratch("ap", k, m, dev).copy_(p))
             if exc is not None:
                 exceptions.append(exc)
         self.finish(name, exceptions)
@@ -188,22 +187,6 @@ class ResidualReader:
         self._ck.close()
 
 
-_local = threading.local()
-
-
-def _buffer(slot: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A per-thread reusable flat buffer of at least ``numel`` elements (no allocation per chunk:
-    fresh tensor-sized buffers cost page faults, which dominated the fold's system time)."""
-    key = (slot, dtype, device)
-    bufs = getattr(_local, "bufs", None)
-    if bufs is None:
-        bufs = _local.bufs = {}
-    buf = bufs.get(key)
-    if buf is None or buf.numel() < numel:
-        buf = bufs[key] = torch.empty(numel, dtype=dtype, device=device)
-    return buf[:numel]
-
-
 def fold_linear(name: str, e: torch.Tensor, lam: float, base: Checkpoint, backbone: Checkpoint | None,
                 dev: torch.device, contrib: ResidualWriter | None, where: str,
                 chunk_elements: int | None = None) -> None:
@@ -222,13 +205,11 @@ def fold_linear(name: str, e: torch.Tensor, lam: float, base: Checkpoint, backbo
     Raises:
         NonFiniteError: the expert holds NaN/Inf, or a result overflows the storage dtype.
     """
-    from .stream import CHUNK_ELEMENTS
-
     meta = base.meta(name)
     dtype = meta.dtype
     assert is_float_dtype(dtype)
     m = math_dtype(dtype)
-    step = chunk_elements or CHUNK_ELEMENTS
+    step = chunk_elements or stream.CHUNK_ELEMENTS
     isz = dtype.itemsize
     flat = e.reshape(-1)
     n = flat.numel()
@@ -238,20 +219,20 @@ def fold_linear(name: str, e: torch.Tensor, lam: float, base: Checkpoint, backbo
     for s in range(0, n, step):
         k = min(step, n - s)
         ec = flat[s:s + k]
-        x = _buffer("x", k, m, dev)
-        b_raw = base.read_into(name, _buffer("base", k * isz, torch.uint8, cpu), s * isz).view(dtype)
-        bf = _buffer("b", k, m, dev).copy_(b_raw)
+        x = scratch("x", k, m, dev)
+        b_raw = base.read_into(name, scratch("base", k * isz, torch.uint8, cpu), s * isz).view(dtype)
+        bf = scratch("b", k, m, dev).copy_(b_raw)
         x.copy_(ec)  # widened into a buffer: a mixed-dtype op would allocate a temporary per call
         x.sub_(bf)
         if backbone is None:
             prev_raw, pf = b_raw, bf
         else:
-            prev_raw = backbone.read_into(name, _buffer("prev", k * isz, torch.uint8, cpu), s * isz).view(dtype)
-            pf = _buffer("p", k, m, dev).copy_(prev_raw)
+            prev_raw = backbone.read_into(name, scratch("prev", k * isz, torch.uint8, cpu), s * isz).view(dtype)
+            pf = scratch("p", k, m, dev).copy_(prev_raw)
         if lam != 1.0:
             x.mul_(lam)  # λτ rounded, then added: the same two roundings as the whole-tensor path
         x.add_(pf)
-        out_c = _buffer("out", k, dtype, dev).copy_(x)
+        out_c = scratch("out", k, dtype, dev).copy_(x)
         x.copy_(out_c)  # θ_t as stored, back in the math dtype
         # one reduction catches both NaN/Inf in the expert (still intact in ec) and an overflow of the
         # sum or of the cast to the storage dtype; only then is it told apart which it was

@@ -18,6 +18,7 @@ import ray
 import torch
 
 from ..fold_tensor import FoldSinks, FoldSpec, MergeSpec, runs_on_driver
+from ..stream import clear_scratch
 from .recording import Recorder, replay
 
 log = logging.getLogger("mergestream.executors")
@@ -40,6 +41,7 @@ def _fold_group(spec: FoldSpec | MergeSpec, names: list[str], with_residuals: bo
             folder(name, spec.read_expert(folder, name), rec.sinks)
     finally:
         close()
+        clear_scratch()  # a Ray worker outlives the task: its scratch buffers must not
     return rec.ops, time.perf_counter() - t0
 
 

@@ -23,7 +23,8 @@ class _Model:
         self._ops, self._kind = ops, kind
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        self._ops.append((self._kind, name, tensor))
+        # a copy: the folder may hand out a per-thread scratch buffer it reuses for the next tensor
+        self._ops.append((self._kind, name, tensor.clone()))
 
 
 class _Append:
@@ -47,7 +48,7 @@ class _Append:
         self._ops.append(("range", data_start, bytes(memoryview(data).cast("B"))))
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
-        self._ops.append(("cwrite", name, tensor))
+        self._ops.append(("cwrite", name, tensor.clone()))  # a copy, as _Model.write
 
 
 class _Residuals(ResidualWriter):
