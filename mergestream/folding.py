@@ -71,7 +71,7 @@ from .policies import (
     stability_penalty,
 )
 from .state import SEP, FoldRecord, Manifest, StateDir, final_name
-from .stream import Progress, run_stream
+from .stream import Progress, run_stream, shared_cores
 from .writers import AppendWriter, ModelWriter, staged_output
 
 log = logging.getLogger("mergestream.engine")
@@ -199,14 +199,16 @@ def _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, 
                 # math dominates and a prefetched tensor would only add to peak memory
                 # whole-tensor policies hold several float32 copies of each tensor: the largest
                 # tensor runs alone, smaller ones in parallel (memory of --threads 1 at its peak)
-                if executor is not None:  # the float tensors' map elsewhere; frozen ones, order, hash here
-                    spec = FoldSpec(pol, _abs(base), None if first else _abs(cur.path), _abs(expert), _abs(sd.path),
-                                    aliases, loader.where, n_prev, prev_coeffs, str(dev), torch.get_num_threads())
-                    executor.fold(spec, loader, work, sinks, progress=bar, hook=tensor_hook)
-                else:
-                    run_stream(loader.names, loader.load, work, threads=worker_threads(threads), progress=bar,
-                               prefetch=1 if lin is not None else 0, sizes=lambda n: base_ck.meta(n).nbytes,
-                               release=loader.release, budget=None if lin is not None else largest(metas))
+                with shared_cores(1 if lin is not None else worker_threads(threads), dev):
+                    if executor is not None:  # the float tensors' map elsewhere; frozen ones, order, hash here
+                        spec = FoldSpec(pol, _abs(base), None if first else _abs(cur.path), _abs(expert),
+                                        _abs(sd.path), aliases, loader.where, n_prev, prev_coeffs, str(dev),
+                                        torch.get_num_threads())
+                        executor.fold(spec, loader, work, sinks, progress=bar, hook=tensor_hook)
+                    else:
+                        run_stream(loader.names, loader.load, work, threads=worker_threads(threads), progress=bar,
+                                   prefetch=1 if lin is not None else 0, sizes=lambda n: base_ck.meta(n).nbytes,
+                                   release=loader.release, budget=None if lin is not None else largest(metas))
                 sha = exp.sha256() if not loader.dense else loader.reader.sha256()
                 if expect_sha256 is not None and sha != expect_sha256:
                     raise CorruptCheckpointError(
@@ -395,13 +397,15 @@ def merge(base: str | os.PathLike, experts: list[str | os.PathLike], policy: str
                 def work(name: str, items) -> None:
                     merger(name, items, sinks)
 
-                if executor is not None:
-                    spec = MergeSpec(pol, _abs(base), [_abs(e) for e in experts], [ld.where for ld in loaders],
-                                     aliases, str(dev), torch.get_num_threads())
-                    executor.map(spec, canonical_order(base_ck), load, None, base_ck, work, sinks, progress=bar)
-                else:
-                    run_stream(canonical_order(base_ck), load, work, threads=worker_threads(threads), progress=bar,
-                               prefetch=0, sizes=lambda n: base_ck.meta(n).nbytes, budget=largest(metas))
+                with shared_cores(worker_threads(threads), dev):
+                    if executor is not None:
+                        spec = MergeSpec(pol, _abs(base), [_abs(e) for e in experts], [ld.where for ld in loaders],
+                                         aliases, str(dev), torch.get_num_threads())
+                        executor.map(spec, canonical_order(base_ck), load, None, base_ck, work, sinks, progress=bar)
+                    else:
+                        run_stream(canonical_order(base_ck), load, work, threads=worker_threads(threads),
+                                   progress=bar, prefetch=0, sizes=lambda n: base_ck.meta(n).nbytes,
+                                   budget=largest(metas))
                 shas = [ld.reader.sha256() if ld.dense else e.sha256() for ld, e in zip(loaders, exps)]
                 records = [{"id": default_expert_id(p), "sha256": s} for p, s in zip(experts, shas)]
                 writer.set_metadata(provenance(pol, records, base_ck))

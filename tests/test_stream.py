@@ -342,3 +342,34 @@ def test_a_hostile_header_value_is_a_format_error_never_a_type_error(tmp_path, f
         f.write_bytes(struct.pack("<Q", len(raw)) + raw + b"\0" * 8)
         with pytest.raises(CorruptCheckpointError):
             open_checkpoint(f)
+
+
+def test_whole_tensor_workers_share_the_cores_and_torch_threads_come_back(tmp_path):
+    """With W worker threads, a whole-tensor policy's math runs with torch's intra-op threads divided
+    by W (no W × cores oversubscription), a chunked element-wise fold keeps them, and the setting
+    is restored after the fold, also when it fails."""
+    from mergestream.stream import shared_cores
+
+    before = torch.get_num_threads()
+    with shared_cores(2):
+        assert torch.get_num_threads() == max(1, before // 2)
+    assert torch.get_num_threads() == before
+    with shared_cores(1), shared_cores(3, "meta"):
+        assert torch.get_num_threads() == before
+    base = _wide_model(0, torch.bfloat16)
+    bpath = save_tensors(tmp_path / "base.safetensors", base)
+    epath = save_tensors(tmp_path / "e.safetensors", perturb(base, 0.05, 1))
+    seen: dict[str, set[int]] = {}
+    for policy in ("ties", "task_arithmetic"):
+        engine.fold(bpath, None, epath, policy, state_dir=tmp_path / policy, out=tmp_path / f"{policy}-o", threads=2,
+                    tensor_hook=lambda name, p=policy: seen.setdefault(p, set()).add(torch.get_num_threads()))
+        assert torch.get_num_threads() == before
+    assert seen == {"ties": {max(1, before // 2)}, "task_arithmetic": {before}}
+
+    def boom(name):
+        raise RuntimeError("injected")
+
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.fold(bpath, None, epath, "ties", state_dir=tmp_path / "f", out=tmp_path / "f-o", threads=2,
+                    tensor_hook=boom)
+    assert torch.get_num_threads() == before
