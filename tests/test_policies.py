@@ -179,6 +179,27 @@ def test_safe_merge_outside_mask_is_bit_for_bit_unchanged_in_bf16(tmp_path):
     assert abs(rep.stats["kept_fraction"] - 0.1) < 1e-4
 
 
+@pytest.mark.parametrize("rho", [0.001, 0.1, 0.5, 0.97])
+@pytest.mark.parametrize("ties", [False, True])
+def test_magnitude_mask_keeps_exactly_the_top_scores(rho, ties, monkeypatch):
+    """The bracketed selection keeps round(ρ·n) entries whose scores are the top-k's (as a multiset:
+    which of tied entries is kept is free), with heavy ties too, and so does its fallback."""
+    from mergestream.policies import safe_merge
+
+    g = torch.Generator().manual_seed(3)
+    score = torch.randn(1100, 1000, generator=g).abs()
+    if ties:
+        score = (score * 8).round() / 8  # a few dozen distinct values: ties at every boundary
+    keep = round(rho * score.numel())
+    want = torch.topk(score.reshape(-1), keep, sorted=False).values.sort().values
+    for half_width in (safe_merge._BRACKET_HALF_WIDTH, 0.0):  # 0: the bracket misses, the fallback runs
+        monkeypatch.setattr(safe_merge, "_BRACKET_HALF_WIDTH", half_width)
+        mask = magnitude_mask(score, rho)
+        assert mask.shape == score.shape and mask.dtype == torch.bool and int(mask.sum()) == keep
+        assert torch.equal(score[mask].sort().values, want)
+    assert not magnitude_mask(score, 1e-9).any() and magnitude_mask(score, 1.0).all()
+
+
 def test_safe_merge_recovery_loss_decreases():
     base, tau = _safe_inputs()
     mask = magnitude_mask(tau.abs(), 0.1)
