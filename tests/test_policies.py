@@ -192,11 +192,14 @@ def test_magnitude_mask_keeps_exactly_the_top_scores(rho, ties, monkeypatch):
         score = (score * 8).round() / 8  # a few dozen distinct values: ties at every boundary
     keep = round(rho * score.numel())
     want = torch.topk(score.reshape(-1), keep, sorted=False).values.sort().values
-    for half_width in (safe_merge._BRACKET_HALF_WIDTH, 0.0):  # 0: the bracket misses, the fallback runs
+    bracket, fell_back = safe_merge._bracket_top, []
+    monkeypatch.setattr(safe_merge, "_bracket_top", lambda f, k: fell_back.append(bracket(f, k) is None) or bracket(f, k))
+    for half_width in (safe_merge._BRACKET_HALF_WIDTH, 0.0):  # 0: the bracket may miss, the fallback runs
         monkeypatch.setattr(safe_merge, "_BRACKET_HALF_WIDTH", half_width)
         mask = magnitude_mask(score, rho)
         assert mask.shape == score.shape and mask.dtype == torch.bool and int(mask.sum()) == keep
         assert torch.equal(score[mask].sort().values, want)
+    assert fell_back[0] is False  # the fast path itself, ties or not
     assert not magnitude_mask(score, 1e-9).any() and magnitude_mask(score, 1.0).all()
 
 

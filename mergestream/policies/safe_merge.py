@@ -106,7 +106,7 @@ def _bracket_top(flat: Tensor, keep: int) -> Tensor | None:
     lo, hi = np.quantile(sample, [max(0.0, q - _BRACKET_HALF_WIDTH), min(1.0, q + _BRACKET_HALF_WIDTH)])
     above = x > hi
     n_above = int(np.count_nonzero(above))
-    inside = np.flatnonzero((x > lo) & ~above)
+    inside = np.flatnonzero((x >= lo) & ~above)  # [lo, hi]: with ties lo may equal hi
     if not n_above <= keep <= n_above + inside.size:  # the threshold is not inside the bracket
         return None
     need = keep - n_above
