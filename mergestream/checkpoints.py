@@ -572,26 +572,6 @@ def check_finite_tensor(name: str, t: torch.Tensor, where: str) -> None:
         raise NonFiniteError(f"tensor {name}: {where} holds {bad} NaN/Inf value(s)")
 
 
-def tied_groups(ckpt: Checkpoint) -> dict[str, str]:
-    """Aliases among tensors that share storage in the base (e.g. embeddings tied to the LM head).
-
-    Only candidate pairs (an embedding-like name and an LM-head-like name of equal shape and dtype)
-    are compared, so this reads at most a few tensors.
-
-    Returns:
-        ``{alias: primary}``: the alias is written as an exact copy of the primary's result.
-    """
-    metas = ckpt.metas()
-    heads = [m for m in metas if re.search(r"(lm_head|embed_out|output)\.weight$", m.name)]
-    embeds = [m for m in metas if re.search(r"(embed_tokens|word_embeddings|wte|shared)\.weight$", m.name)]
-    out: dict[str, str] = {}
-    for h in heads:
-        for e in embeds:
-            if h.shape == e.shape and h.dtype == e.dtype and torch.equal(ckpt.get(h.name), ckpt.get(e.name)):
-                out[h.name] = e.name
-    return out
-
-
 def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Load a whole (small) checkpoint into memory; meant for tests and small models only."""
     with open_checkpoint(path) as ck:

@@ -35,7 +35,6 @@ from .checkpoints import (
     is_float_dtype,
     open_checkpoint,
     open_safetensors_file,
-    tied_groups,
     validate_against_base,
 )
 from .coefficients import LayerObjective, learn_layer_coefficients, write_learned_state
@@ -61,6 +60,7 @@ from .passes import (
     largest,
     open_base_and_backbone,
     provenance,
+    tied_groups,
     worker_threads,
     write_with_aliases,
 )

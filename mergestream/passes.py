@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import threading
 import zlib
 from collections.abc import Callable
@@ -130,8 +131,41 @@ def write_with_aliases(writer: ModelWriter, name: str, result: torch.Tensor, ali
             writer.write(alias, result)
 
 
+def tied_groups(ckpt: Checkpoint) -> dict[str, str]:
+    """Aliases among tensors that share storage in the base (e.g. embeddings tied to the LM head).
+
+    Only candidate pairs (an embedding-like name and an LM-head-like name of equal shape and dtype)
+    are compared, so this reads at most a few tensors.
+
+    Returns:
+        ``{alias: primary}``: the alias is written as an exact copy of the primary's result.
+    """
+    metas = ckpt.metas()
+    heads = [m for m in metas if re.search(r"(lm_head|embed_out|output)\.weight$", m.name)]
+    embeds = [m for m in metas if re.search(r"(embed_tokens|word_embeddings|wte|shared)\.weight$", m.name)]
+    out: dict[str, str] = {}
+    for h in heads:
+        for e in embeds:
+            if h.shape == e.shape and h.dtype == e.dtype and _same_bytes(ckpt, h.name, e.name):
+                out[h.name] = e.name
+    return out
+
+
+def _same_bytes(ckpt: Checkpoint, a: str, b: str, chunk: int = 1 << 22) -> bool:
+    """Whether tensors ``a`` and ``b`` hold the same bytes, compared in ``chunk``-byte pieces that stop
+    at the first difference (untied embeddings differ in their first bytes: two small reads, where
+    whole-tensor reads cost two fresh vocabulary-sized buffers per fold)."""
+    n = ckpt.meta(a).nbytes
+    bufs = torch.empty(2, min(chunk, n), dtype=torch.uint8)
+    for off in range(0, n, chunk):
+        k = min(chunk, n - off)
+        if not torch.equal(ckpt.read_into(a, bufs[0, :k], off), ckpt.read_into(b, bufs[1, :k], off)):
+            return False
+    return True
+
+
 def kept_ties(ties: dict[str, str], readers: list[Callable[[str], torch.Tensor]], where: str) -> dict[str, str]:
-    """The ties of θ₀ (``{alias: primary}``, :func:`~mergestream.checkpoints.tied_groups`) that every
+    """The ties of θ₀ (``{alias: primary}``, :func:`tied_groups`) that every
     input keeps: ``read(alias)`` equals ``read(primary)`` bit for bit for each reader (the backbone
     θ_{t−1}, each expert's tensor or LoRA task vector). Only those are written as one tensor; an
     untied pair is folded tensor by tensor, and the output is marked untied (:func:`untie_config`).

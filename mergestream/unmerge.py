@@ -18,7 +18,7 @@ import torch
 
 from . import residuals
 from ._alloc import pin_mmap_threshold
-from .checkpoints import DEFAULT_SHARD_BYTES, is_float_dtype, tied_groups
+from .checkpoints import DEFAULT_SHARD_BYTES, is_float_dtype
 from .errors import MergestreamError, StateError
 from .folding import fold
 from .inspection import resolve_device
@@ -33,6 +33,7 @@ from .passes import (
     largest,
     open_base_and_backbone,
     provenance,
+    tied_groups,
     worker_threads,
     write_with_aliases,
 )
