@@ -231,7 +231,7 @@ FEED_ROLES = ("root", "targets", "snapshot", "timestamp")
 class FeedConfig(_Section):
     """Publish a signed update feed (The Update Framework; :mod:`mergestream.feed`) for devices running
     ``mergestream-agent``: rebuilt after every published version and operator rollback, its
-    timestamp re-signed while the daemon runs. Needs ``pip install 'mergestream[feed]'``."""
+    timestamp re-signed while the daemon runs. Needs ``pip install -e '.[feed]' from the checkout``."""
 
     dir: Path | None = Field(None, description="feed folder to serve over HTTP; default: no feed")
     keys: Path | None = Field(None, description="keys folder of `mergestream feed keygen` (required with dir)")
@@ -485,6 +485,8 @@ base: {base}
   # ri: {{data: aux.txt, steps: 100, time_budget_seconds: 300, alpha: 1.0}}
   # with mdm_oc and params {{coefficients: cmaes, budget: 40}}, CMA-ES maximises the data probes:
   # objective: {{task_weight: 1.0, general_weight: 1.0, examples_per_task: 64, general_pairs: 200}}
+  # with mdm_oc and params {{coefficients: adamerging}}, per-layer α are learned on ri.data (needed even
+  # without preprocess [ri]; experts must ship a task head): objective: {{adamerging_examples: 64}}
 
 # New experts arrive here: a .safetensors file, a Hugging Face folder or a PEFT LoRA adapter folder.
 # One is ready when a READY marker appears (inside a folder; `<file>.READY` next to a file), or when
@@ -517,7 +519,7 @@ mlflow:
     interval_seconds: 30
     # pending_timeout_seconds: 3600   # skip a version stuck PENDING_REGISTRATION this long (s)
 
-# Object storage (pip install 'mergestream[s3]'; credentials from the standard AWS chain only):
+# Object storage (pip install -e '.[s3]' from the checkout; credentials from the standard AWS chain only):
 # s3:                           # also take experts from a bucket (README, "Object storage (S3)")
 #   enabled: true
 #   bucket: experts
@@ -528,7 +530,7 @@ mlflow:
 # publish:
 #   uri: s3://models/backbone/  # mirror every published version; the object `current` is written last
 
-# A signed update feed for edge devices (pip install 'mergestream[feed]'; README, "Fleet updates"):
+# A signed update feed for edge devices (pip install -e '.[feed]' from the checkout; README, "Fleet updates"):
 # feed:
 #   dir: feed                   # serve this folder over HTTP; rebuilt after each version and rollback
 #   keys: keys                  # from `mergestream feed keygen --keys keys`

@@ -179,8 +179,9 @@ def gram_matrix(checkpoints: list[Checkpoint], metas: list[TensorMeta], *, chunk
 
 def describe(path: str | os.PathLike) -> dict[str, Any]:
     """Tensor count, dtypes (count and bytes per dtype), total bytes and metadata of a checkpoint."""
-    p = Path(path)
-    if (p / "adapter_config.json").exists():
+    remote = str(path).startswith("s3://")  # read in place; a Path would fold "s3://" into "s3:/"
+    p = str(path) if remote else Path(path)
+    if not remote and (p / "adapter_config.json").exists():
         cfg = json.loads((p / "adapter_config.json").read_text())
         ck = open_checkpoint(p / "adapter_model.safetensors")
         kind = "lora"

@@ -208,7 +208,9 @@ class S3Objects:
         if code in ("PreconditionFailed", "412"):
             return ObjectChangedError(f"{where} was replaced since it was opened (pinned ETag {pin.etag if pin else '?'}); "
                                       "nothing read from the new version was used")
-        if code in ("NoSuchKey", "NoSuchVersion", "404", "NotFound", "NoSuchBucket"):
+        if code == "NoSuchBucket":
+            return ObjectGoneError(f"{where}: no such bucket {self.bucket!r} at this endpoint")
+        if code in ("NoSuchKey", "NoSuchVersion", "404", "NotFound"):
             return ObjectGoneError(f"{where}: no such object (deleted, or never uploaded)")
         if code in ("InvalidRange", "416"):
             return CorruptCheckpointError(f"{where}: the object is now shorter than when it was opened (truncated)")
@@ -230,6 +232,8 @@ class S3Objects:
             h = self.client.head_object(Bucket=self.bucket, Key=key, **kw)
         except Exception as exc:
             err = self._fail(key, exc)
+            if isinstance(err, ObjectGoneError) and not self._bucket_exists():
+                err = ObjectGoneError(f"{self._where(key)}: no such bucket {self.bucket!r} at this endpoint")
             if isinstance(err, ObjectChangedError):
                 err = ObjectChangedError(f"{self._where(key)} is no longer the version recorded (ETag {etag})")
             raise err from exc
@@ -239,6 +243,14 @@ class S3Objects:
         with self._lock:
             self._pinned[key] = p
         return p
+
+    def _bucket_exists(self) -> bool:
+        """False only when the endpoint says the bucket does not exist (a HEAD's 404 names neither)."""
+        try:
+            self.client.head_bucket(Bucket=self.bucket)
+        except Exception as exc:  # noqa: BLE001 - any other answer: do not claim the bucket is missing
+            return error_code(exc) not in ("NoSuchBucket", "404", "NotFound")
+        return True
 
     def get(self, key: str, start: int, buf) -> int:
         """Fill ``buf`` (any writable buffer) with bytes ``[start, start + len(buf))`` of pinned

@@ -213,6 +213,21 @@ def test_raw_uris_are_recorded_as_uris_and_replay_reads_them_again(s3, bucket, m
     assert content_sha256(tmp_path / "r") == content_sha256(tmp_path / "o2") and only_e1.experts == ["e1"]
 
 
+def test_inspect_takes_uris_and_a_missing_bucket_is_named(s3, bucket, model):
+    """Found by a fresh user: ``inspect s3://...`` turned the URI into a path ("s3:/..."), and a
+    missing bucket was reported as a missing object."""
+    _, expert = model
+    uri = upload(s3, bucket, expert, "x/e1.safetensors")
+    out = run_cli("inspect", uri, "--json")
+    info = json.loads(out.stdout)["checkpoints"][0]
+    with open_checkpoint(expert) as local:
+        assert info["path"] == uri and info["tensors"] == len(local.keys()) and info["bytes"] == local.nbytes
+    with pytest.raises(ObjectGoneError, match="no such bucket 'no-such-bucket'"):
+        open_checkpoint("s3://no-such-bucket/e1.safetensors")
+    with pytest.raises(ObjectGoneError, match="no such object"):
+        open_checkpoint(f"s3://{bucket}/x/missing.safetensors")
+
+
 def test_object_replaced_mid_fold_fails_and_writes_nothing(s3, bucket, model, tmp_path):
     base, expert = model
     uri = upload(s3, bucket, expert, "experts/e1.safetensors")

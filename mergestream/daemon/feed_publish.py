@@ -228,7 +228,7 @@ def build_feed_publisher(cfg: Config, metrics: Metrics | None = None) -> FeedPub
     try:
         from ..feed import keys as feed_keys
     except ImportError as exc:
-        raise ConfigError(f"feed.dir needs python-tuf ({exc.name} is missing): pip install 'mergestream[feed]'") \
+        raise ConfigError(f"feed.dir needs python-tuf ({exc.name} is missing): pip install -e '.[feed]' from the checkout") \
             from None
     try:
         for role in feed_keys.ROLES:

@@ -28,7 +28,7 @@ def _need_tuf() -> None:
         import tuf.api.metadata  # noqa: F401
     except ImportError as exc:
         _fail(MergestreamError(f"the feed needs python-tuf ({exc.name} is missing): "
-                               "pip install 'mergestream[feed]'"))
+                               "pip install -e '.[feed]' from the checkout"))
 
 
 @click.group("feed")
