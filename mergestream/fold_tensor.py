@@ -34,7 +34,7 @@ from .passes import (
 from .policies import Policy, TensorContext
 from .policies.lines import block_count
 from .state import SEP, StateDir
-from .stream import scratch
+from .stream import read_scratch, scratch
 
 
 @dataclass
@@ -99,7 +99,7 @@ class TensorFolder:
             return
         # θ₀ and θ_{t−1} go into this thread's scratch buffers (stream.scratch: no fresh pages per
         # tensor); float32 on the CPU is read straight into the buffer the policy gets
-        b_raw = _read(base_ck, name, "base_raw")
+        b_raw = read_scratch(base_ck, name, "base_raw")
         b = b_raw if _as_is(meta.dtype, dev) else scratch("base", meta.numel, torch.float32, dev).view(meta.shape).copy_(b_raw)
         # θ_{t−1} as stored is kept only when its residual is stored (not for policies whose
         # contributions live in their state), so memory stays at a few tensors
@@ -109,7 +109,7 @@ class TensorFolder:
             if contrib is not None:
                 prev_s = b_raw  # θ₀ as stored (b is its exact float32 widening)
         else:
-            prev_raw = _read(cur, name, "prev_raw")
+            prev_raw = read_scratch(cur, name, "prev_raw")
             if contrib is None and _as_is(meta.dtype, dev):
                 bb = prev_raw
             else:
@@ -134,13 +134,6 @@ class TensorFolder:
         for k, v in res.state.items():
             out.state_writer.write(f"{name}{SEP}{k}", v.cpu())
         out.stats.add(res.stats, meta.numel, meta.nbytes * (1 if first else 2))  # θ₀ (and θ_{t−1})
-
-
-def _read(ck: Checkpoint, name: str, slot: str) -> torch.Tensor:
-    """Tensor ``name`` of ``ck`` as stored (CPU, its dtype and shape), in this thread's scratch
-    buffer ``slot`` (valid until the thread reads into that slot again)."""
-    m = ck.meta(name)
-    return ck.read_into(name, scratch(slot, m.nbytes, torch.uint8)).view(m.dtype).view(m.shape)
 
 
 def _as_is(dtype: torch.dtype, dev: torch.device) -> bool:

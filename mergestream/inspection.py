@@ -29,6 +29,7 @@ from .checkpoints import (
 from .errors import MergestreamError
 from .expert_readers import open_expert
 from .linalg import cosine_matrix, subspace_energy, top_singular_vectors
+from .stream import clear_scratch, float32_scratch, scratch
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -111,29 +112,40 @@ def drift_sums(base: Checkpoint, candidate: Checkpoint, previous: Checkpoint | N
     dev = torch.device(device)
     bases = {} if bases is None else bases
     base_sq = drift_sq = step_sq = step2d_sq = inside_sq = 0.0
-    for m in metas:
-        b = base.get(m.name).to(dev, torch.float32)
-        c = candidate.get(m.name).to(dev, torch.float32)
-        p = previous.get(m.name).to(dev, torch.float32) if previous is not None else b
-        step = c - p
-        del p
-        s2 = float(torch.linalg.vector_norm(step)) ** 2
-        step_sq += s2
-        if len(m.shape) == 2:
-            step2d_sq += s2
-            uv = bases.get(m.name)
-            if uv is None:
-                u, v = top_singular_vectors(b, k, svd)
-                uv = bases[m.name] = (u.cpu(), v.cpu())
-            u, v = (x.to(dev) for x in uv)
-            if s2 > 0.0:
-                inside_sq += subspace_energy(step, u, v)
-        del step
-        base_sq += float(torch.linalg.vector_norm(b)) ** 2
-        c = c - b  # not in place: a legacy checkpoint's get() returns its stored tensor
-        drift_sq += float(torch.linalg.vector_norm(c)) ** 2
-        del b, c
+    try:
+        for m in metas:
+            sums = _drift_tensor(base, candidate, previous, m, k, svd, dev, bases)
+            base_sq, drift_sq, step_sq = base_sq + sums[0], drift_sq + sums[1], step_sq + sums[2]
+            step2d_sq, inside_sq = step2d_sq + sums[3], inside_sq + sums[4]
+    finally:
+        clear_scratch()  # the probe thread lives on: its buffers must not
     return DriftSums(base_sq, drift_sq, step_sq, step2d_sq, inside_sq)
+
+
+def _drift_tensor(base: Checkpoint, candidate: Checkpoint, previous: Checkpoint | None, m: TensorMeta, k: int,
+                  svd: str, dev: torch.device, bases: MutableMapping) -> tuple[float, float, float, float, float]:
+    """One tensor's (‖θ₀‖², ‖θ − θ₀‖², ‖step‖², 2-D ‖step‖², in-subspace energy) for :func:`drift_sums`,
+    in this thread's scratch buffers (fresh tensor-sized copies cost page faults several times the math)."""
+    step2d_sq = inside_sq = 0.0
+    b = float32_scratch(base, m.name, "drift.base", dev)
+    c = float32_scratch(candidate, m.name, "drift.cand", dev)
+    p = float32_scratch(previous, m.name, "drift.prev", dev) if previous is not None else b
+    step = torch.sub(c, p, out=scratch("drift.step", m.numel, torch.float32, dev).view(m.shape))
+    del p
+    s2 = float(torch.linalg.vector_norm(step)) ** 2
+    if len(m.shape) == 2:
+        step2d_sq = s2
+        uv = bases.get(m.name)
+        if uv is None:
+            u, v = top_singular_vectors(b, k, svd)
+            uv = bases[m.name] = (u.cpu(), v.cpu())
+        u, v = (x.to(dev) for x in uv)
+        if s2 > 0.0:
+            inside_sq = subspace_energy(step, u, v)
+    del step
+    base_sq = float(torch.linalg.vector_norm(b)) ** 2
+    drift_sq = float(torch.linalg.vector_norm(c.sub_(b))) ** 2  # c is our scratch copy
+    return base_sq, drift_sq, s2, step2d_sq, inside_sq
 
 
 def _read_rows(ck: Checkpoint, name: str, start: int, stop: int) -> torch.Tensor:

@@ -276,6 +276,22 @@ def scratch(slot: str, numel: int, dtype: torch.dtype, device: torch.device | st
     return buf[:numel]
 
 
+def read_scratch(ck: Checkpoint, name: str, slot: str) -> torch.Tensor:
+    """Tensor ``name`` of ``ck`` as stored (CPU, its dtype and shape) in this thread's :func:`scratch`
+    buffer ``slot`` (valid until the thread reads into that slot again)."""
+    m = ck.meta(name)
+    return ck.read_into(name, scratch(slot, m.nbytes, torch.uint8)).view(m.dtype).view(m.shape)
+
+
+def float32_scratch(ck: Checkpoint, name: str, slot: str, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Tensor ``name`` of ``ck`` widened to float32 on ``device``, in this thread's scratch (slots
+    ``slot`` and ``slot + ".raw"``); read straight into the float32 buffer when stored as float32."""
+    raw = read_scratch(ck, name, slot + ".raw")
+    if raw.dtype == torch.float32 and torch.device(device).type == "cpu":
+        return raw
+    return scratch(slot, raw.numel(), torch.float32, device).view(raw.shape).copy_(raw)
+
+
 def clear_scratch() -> None:
     """Free this thread's :func:`scratch` buffers (a thread that lives on after its fold)."""
     _local.bufs = {}
