@@ -115,7 +115,12 @@ class TensorFolder:
             else:
                 bb = scratch("backbone", meta.numel, torch.float32, dev).view(meta.shape).copy_(prev_raw)
                 prev_s = prev_raw if contrib is not None else None
-        tau = self.exp.task_vector(name, b).to(dev) if e is None else e.to(dev, torch.float32).sub_(b)
+        if e is None:  # LoRA: built from the factors
+            tau = self.exp.task_vector(name, b).to(dev)
+        elif _as_is(e.dtype, dev):  # float32 expert on the CPU: τ in the expert's own buffer
+            tau = e.sub_(b)
+        else:
+            tau = scratch("tau", meta.numel, torch.float32, dev).view(meta.shape).copy_(e).sub_(b)
         if e is None:
             check_finite_tensor(name, tau, f"LoRA delta of {self.where}")
         del e
