@@ -131,8 +131,8 @@ class TensorFolder:
         res = self.pol.fold_tensor(b, bb, tau, st, ctx)
         del b, tau
         if not self.search:  # a coefficient search writes the output once, from the state
-            result = cast_checked(bb.add_(res.delta, alpha=res.scale), meta.dtype, name,
-                                  out=scratch("result", meta.numel, meta.dtype).view(meta.shape))
+            cast_into = None if _as_is(meta.dtype, dev) else scratch("result", meta.numel, meta.dtype).view(meta.shape)
+            result = cast_checked(bb.add_(res.delta, alpha=res.scale), meta.dtype, name, out=cast_into)
             write_with_aliases(out.writer, name, result, self.aliases)
             if contrib is not None:
                 contrib.add(name, result, prev_s)

@@ -136,7 +136,10 @@ def run_stream(names: Iterable[str], load: Callable[[str], Any], work: Callable[
     failed: list[BaseException] = []
     pending: list[Future] = []
 
-    def job(name: str, item: Any, c: int) -> None:
+    def job(name: str, box: list, c: int) -> None:
+        # the item comes in a box the job empties: once its slot is free the loader reads the next
+        # tensor, and nothing may still hold this one then (the executor keeps a job's arguments)
+        item = box.pop()
         try:
             if not failed:
                 work(name, item)
@@ -147,6 +150,7 @@ def run_stream(names: Iterable[str], load: Callable[[str], Any], work: Callable[
         finally:
             if release is not None:
                 release(item)
+            del item
             slots.release(c)
 
     with ThreadPoolExecutor(threads, thread_name_prefix="mergestream-fold") as pool:
@@ -169,7 +173,8 @@ def run_stream(names: Iterable[str], load: Callable[[str], Any], work: Callable[
                     if progress is not None and sizes is not None:
                         progress.advance(sizes(name))
                     continue
-                pending.append(pool.submit(job, name, item, c))
+                pending.append(pool.submit(job, name, [item], c))
+                del item  # the job's alone now: freed when it ends, not when the next tensor is read
                 pending = [f for f in pending if not f.done()]
         except BaseException as exc:
             failed.append(exc)

@@ -13,6 +13,7 @@ subprocess on 127.0.0.1, and boto3 clients for it.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -23,6 +24,10 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
+
+import pytest
+
+_bucket_numbers = itertools.count()
 
 TEST_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                     "AWS_DEFAULT_REGION": "us-east-1"}
@@ -41,6 +46,12 @@ class S3Server:
 
     endpoint: str
     proc: subprocess.Popen
+
+    def new_bucket(self, prefix: str = "bkt") -> str:
+        """Create a bucket with a name no other test of this server used; returns the name."""
+        name = f"{prefix}-{next(_bucket_numbers)}"
+        self.client().create_bucket(Bucket=name)
+        return name
 
     def client(self, **credentials: str):
         """A boto3 S3 client for this server (``TEST_CREDENTIALS`` unless given)."""
@@ -100,3 +111,10 @@ def run_s3_server(timeout: float = 60.0) -> Iterator[S3Server]:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[S3Server]:
+    """A server for the tests of one module (import this fixture where it is used)."""
+    with run_s3_server() as server:
+        yield server

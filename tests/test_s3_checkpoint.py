@@ -25,16 +25,10 @@ from mergestream.errors import (
 from mergestream.expert_readers import content_sha256
 
 from .conftest import perturb, random_model, run_cli, save_tensors
-from .s3_server import TEST_CREDENTIALS, run_s3_server
+from .s3_server import TEST_CREDENTIALS, s3  # noqa: F401 - s3: a fixture
 from .test_daemon import Daemon, scaled_expert, tiny_base
 
 pytestmark = pytest.mark.usefixtures("aws_env")
-
-
-@pytest.fixture(scope="module")
-def s3():
-    with run_s3_server() as server:
-        yield server
 
 
 @pytest.fixture
@@ -45,14 +39,9 @@ def aws_env(monkeypatch, s3):
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint)
 
 
-_n = iter(range(10_000))
-
-
 @pytest.fixture
 def bucket(s3) -> str:
-    name = f"ckpt-{next(_n)}"
-    s3.client().create_bucket(Bucket=name)
-    return name
+    return s3.new_bucket("ckpt")
 
 
 @pytest.fixture

@@ -27,16 +27,10 @@ from mergestream.daemon.sources.s3_notify import NotificationReceiver
 from mergestream.daemon.store import Store
 
 from .conftest import load_dir, random_model, save_tensors
-from .s3_server import TEST_CREDENTIALS, free_port, run_s3_server
+from .s3_server import TEST_CREDENTIALS, free_port, run_s3_server, s3  # noqa: F401 - s3: a fixture
 from .test_daemon import Daemon, scaled_expert, tiny_base
 
 pytestmark = pytest.mark.usefixtures("aws_env")
-
-
-@pytest.fixture(scope="module")
-def s3():
-    with run_s3_server() as server:
-        yield server
 
 
 @pytest.fixture
@@ -45,14 +39,9 @@ def aws_env(monkeypatch):
         monkeypatch.setenv(k, v)
 
 
-_n = iter(range(10_000))
-
-
 @pytest.fixture
 def bucket(s3) -> str:
-    name = f"bkt-{next(_n)}"
-    s3.client().create_bucket(Bucket=name)
-    return name
+    return s3.new_bucket("bkt")
 
 
 class Recorder:
