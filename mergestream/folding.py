@@ -70,6 +70,7 @@ from .policies import (
     make_policy,
     stability_penalty,
 )
+from .s3_checkpoint import is_s3_uri
 from .state import SEP, FoldRecord, Manifest, StateDir, final_name
 from .stream import Progress, run_stream, shared_cores
 from .writers import AppendWriter, ModelWriter, staged_output
@@ -277,8 +278,8 @@ def _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, 
 def _abs(path: str | os.PathLike) -> str:
     """An input's absolute path, for workers whose working directory is not the driver's and for
     the manifest; an ``s3://`` URI unchanged."""
-    if str(path).startswith("s3://"):
-        return str(path)
+    if is_s3_uri(path):
+        return path
     return str(Path(path).resolve())
 
 

@@ -29,6 +29,7 @@ from .checkpoints import (
 from .errors import MergestreamError
 from .expert_readers import open_expert
 from .linalg import cosine_matrix, subspace_energy, top_singular_vectors
+from .s3_checkpoint import is_s3_uri
 from .stream import clear_scratch, float32_scratch, scratch
 
 
@@ -191,8 +192,8 @@ def gram_matrix(checkpoints: list[Checkpoint], metas: list[TensorMeta], *, chunk
 
 def describe(path: str | os.PathLike) -> dict[str, Any]:
     """Tensor count, dtypes (count and bytes per dtype), total bytes and metadata of a checkpoint."""
-    remote = str(path).startswith("s3://")  # read in place; a Path would fold "s3://" into "s3:/"
-    p = str(path) if remote else Path(path)
+    remote = is_s3_uri(path)  # read in place; a Path would fold "s3://" into "s3:/"
+    p = path if remote else Path(path)
     if not remote and (p / "adapter_config.json").exists():
         cfg = json.loads((p / "adapter_config.json").read_text())
         ck = open_checkpoint(p / "adapter_model.safetensors")

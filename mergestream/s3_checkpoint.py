@@ -102,9 +102,14 @@ def error_code(exc: BaseException) -> str:
     return ""
 
 
+def is_s3_uri(path: Any) -> bool:
+    """True for an ``s3://`` URI (a string; a ``Path`` would already have folded ``//`` into ``/``)."""
+    return isinstance(path, str) and path.startswith("s3://")
+
+
 def is_s3_path(path: Any) -> bool:
-    """True for an ``s3://`` URI (a string) and for a reference file name (``*.s3ref.json``)."""
-    return (isinstance(path, str) and path.startswith("s3://")) or str(path).endswith(REF_SUFFIX)
+    """True for an ``s3://`` URI and for a reference file name (``*.s3ref.json``)."""
+    return is_s3_uri(path) or str(path).endswith(REF_SUFFIX)
 
 
 def split_uri(uri: str) -> tuple[str, str]:
@@ -357,7 +362,7 @@ def open_objects(path: str | os.PathLike, client: Any = None) -> tuple[str, dict
         UnsupportedCheckpointError: a PEFT adapter folder (download it first) or not a URI.
         CorruptCheckpointError: an unreadable index or reference; a size that differs from the reference's.
     """
-    ref = S3Ref(path) if isinstance(path, str) and path.startswith("s3://") else S3Ref.read(path)
+    ref = S3Ref(path) if is_s3_uri(path) else S3Ref.read(path)
     bucket, key = split_uri(ref.uri)
     owned = client is None
     src = S3Objects(client or make_client(ref.endpoint_url, ref.region, read_timeout=60.0, max_attempts=READ_ATTEMPTS),

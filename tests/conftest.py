@@ -3,8 +3,10 @@ experts derived from them, and helpers that every merge output must satisfy."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -51,6 +53,21 @@ def random_model(seed: int = 0, dtype: torch.dtype = torch.float32, m: int = 48,
         "position_ids": torch.arange(16)[None],
     }
     return {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in t.items()}
+
+
+def stop_process_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """SIGTERM the process group of ``proc`` (started with ``start_new_session=True``), then SIGKILL
+    it after ``grace`` seconds; a group already gone is fine."""
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=grace)
 
 
 def run_cli(*args: str, check: bool = True, **kw) -> subprocess.CompletedProcess:

@@ -39,7 +39,6 @@ import base64
 import contextlib
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -52,6 +51,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from .conftest import stop_process_group
 
 log = logging.getLogger(__name__)
 
@@ -100,20 +101,6 @@ def _healthy(uri: str) -> bool:
             return resp.status == 200
     except (urllib.error.URLError, OSError):
         return False
-
-
-def _stop(proc: subprocess.Popen, grace: float = 10.0) -> None:
-    """SIGTERM the server's process group, then SIGKILL it after ``grace`` seconds."""
-    if proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=grace)
 
 
 @contextlib.contextmanager
@@ -172,7 +159,7 @@ def run_mlflow_server(root: str | os.PathLike | None = None, *, port: int | None
         log.info("starting mlflow server: %s", " ".join(cmd))
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=root,
                                 start_new_session=True)
-        stack.callback(_stop, proc)
+        stack.callback(stop_process_group, proc)
         deadline = time.monotonic() + start_timeout
         while not _healthy(uri):
             if proc.poll() is not None or time.monotonic() > deadline:

@@ -16,7 +16,6 @@ import contextlib
 import itertools
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -26,6 +25,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
+
+from .conftest import stop_process_group
 
 _bucket_numbers = itertools.count()
 
@@ -104,13 +105,7 @@ def run_s3_server(timeout: float = 60.0) -> Iterator[S3Server]:
                 time.sleep(0.1)
         yield S3Server(endpoint, proc)
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_process_group(proc)
 
 
 @pytest.fixture(scope="module")

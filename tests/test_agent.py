@@ -19,7 +19,7 @@ from tuf.api.metadata import Metadata
 from mergestream.feed.build import build_feed
 from mergestream.patches import read_patch, weights_sha256
 
-from .test_feed import FeedServer, make_store
+from .test_feed import served_feed
 
 ALLOWED_TOP_LEVEL = {"mergestream", "numpy", "click", "tuf", "securesystemslib", "urllib3", "cryptography",
                      "_cffi_backend", "zstandard"}
@@ -49,18 +49,9 @@ def agent(*args, env: dict | None = None) -> subprocess.CompletedProcess:
 @pytest.fixture
 def world(tmp_path):
     """Five daemon versions, keys, a feed whose release 1 says "latest = v1", and its server."""
-    store = make_store(tmp_path / "state")
-    keys = tmp_path / "keys"
-    from mergestream.feed.keys import generate
-
-    generate(keys)
-    feed = tmp_path / "feed"
-    build_feed(store.root, feed, keys, latest=1)
-    server = FeedServer(feed)
-    w = {"store": store, "keys": keys, "feed": feed, "server": server, "root": feed / "metadata" / "1.root.json",
-         "tmp": tmp_path}
+    w = {**served_feed(tmp_path, latest=1), "tmp": tmp_path}
     yield w
-    server.close()
+    w["server"].close()
 
 
 def pull(w, device: Path, *extra, env=None) -> subprocess.CompletedProcess:

@@ -37,7 +37,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import save_tensors
+from tests.conftest import save_tensors, stop_process_group
 from tests.test_daemon import Daemon, free_port, scaled_expert, tiny_base
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -793,13 +793,7 @@ def test_compose_mlflow_command_serves_the_daemons_host(tmp_path):
         assert call(f"localhost:{port}") == 200
         assert call("attacker.example:5000") == 403  # the protection is on, not switched off
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_process_group(proc, grace=20)
         log.close()
 
 

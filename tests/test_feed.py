@@ -112,17 +112,24 @@ class FeedServer:
         self.httpd.server_close()
 
 
-@pytest.fixture
-def fleet(tmp_path):
-    """A store with five versions, keys, a feed at release 1 (latest v5) and its server."""
+def served_feed(tmp_path: Path, latest: int | None = None) -> dict:
+    """A store with five versions, keys, a feed at release 1 (``latest``: the version it names;
+    default the newest) and a server for it: ``{store, keys, feed, server, root}`` (close the server)."""
     store = make_store(tmp_path / "state")
     keys = tmp_path / "keys"
     generate(keys)
     feed = tmp_path / "feed"
-    build_feed(store.root, feed, keys)
-    server = FeedServer(feed)
-    yield {"store": store, "keys": keys, "feed": feed, "server": server, "root": feed / "metadata" / "1.root.json"}
-    server.close()
+    build_feed(store.root, feed, keys, **({} if latest is None else {"latest": latest}))
+    return {"store": store, "keys": keys, "feed": feed, "server": FeedServer(feed),
+            "root": feed / "metadata" / "1.root.json"}
+
+
+@pytest.fixture
+def fleet(tmp_path):
+    """A store with five versions, keys, a feed at release 1 (latest v5) and its server."""
+    w = served_feed(tmp_path)
+    yield w
+    w["server"].close()
 
 
 def targets_of(feed: Path) -> dict[str, dict]:
