@@ -60,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from quality_report import hmean, save_outputs  # noqa: E402
+from quality_report import label as label_of  # noqa: E402
 from quality_setup import (  # noqa: E402
     RESULTS,
     apply_overrides,
@@ -67,10 +68,12 @@ from quality_setup import (  # noqa: E402
     carved_folder,
     default_out,
     load_config,
+    load_resume,
     merge_overrides,
     needs_lpft,
     parse_recipe,
     parse_sets,
+    protocol_args,
     validation_rows,
 )
 
@@ -331,6 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default=None,
                     help=f"results folder (default: a new scratch folder; the checked-in results: {RESULTS})")
     ap.add_argument("--workdir", default=None, help="scratch folder for backbones (default: a temp dir)")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue the run in --out/quality.json (same options): keep its references, tuning "
+                         "and finished runs, run only what is missing (a long benchmark in pieces)")
     return ap
 
 
@@ -421,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"re-rendered {out / 'quality.md'} from {args.from_json}")
         return 0
     pols, overrides = select_policies(args)  # bad parameters fail here, before any model is loaded
+    prev = load_resume(out, args) if args.resume else None  # so do options that differ from the run resumed
     over = parse_recipe(args.recipe)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="ms-quality-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -450,10 +457,15 @@ def main(argv: list[str] | None = None) -> int:
     ev = Evaluator(tdata, heads, rows, sts, tok)
 
     # references
-    log("references: experts, base with expert heads, linear probe, G")
     ref: dict[str, Any] = {"expert_acc": {}, "base_head_acc": {}, "linear_probe_acc": {}, "expert_G": {}}
-    ref["base_G"] = ev.g(base_model)
-    for t in tasks:
+    if prev is not None:
+        ref = prev["references"]
+        log(f"resuming {out / 'quality.json'}: {len(prev['runs'])} run(s) and "
+            f"{len(prev['protocol']['tuning'])} tuned polic(ies) kept")
+    else:
+        log("references: experts, base with expert heads, linear probe, G")
+        ref["base_G"] = ev.g(base_model)
+    for t in (tasks if prev is None else []):
         ref["base_head_acc"][t] = ev.acc(base_model, t)
         lp_train = X.subsample(tdata[t].train, args.lp_train, seed=0)
         emb = X.embed_rows(base_model, tok, lp_train, max_length=64)
@@ -471,7 +483,40 @@ def main(argv: list[str] | None = None) -> int:
     skipped = ([] if args.cmaes else ["mdm_oc with CMA-ES coefficients (--cmaes; not run for time)"]) + \
         ([] if args.adamerging else ["mdm_oc with AdaMerging coefficients (--adamerging; not run for time)"])
     sts_dev = read_sts_dev(data, args.sts_pairs or 500)  # tuning's and the CMA-ES objective's pairs (never test)
-    tuned: dict[str, Any] = {}
+    tuned: dict[str, Any] = dict(prev["protocol"]["tuning"]) if prev is not None else {}
+    ri_params = RIParams(steps=args.ri_steps, lr=args.ri_lr, batch_size=16, max_length=64, eval_examples=64)
+    ri_wanted = [p for p in args.ri_policies.split(",") if p]
+    runs: list[dict[str, Any]] = list(prev["runs"]) if prev is not None else []
+    planned: list[list[Any]] = []
+    pieces: list[dict[str, Any]] = list(prev.get("pieces", [])) if prev is not None else []
+    pieces.append({"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "seconds": 0.0,
+                   "runs_before": len(runs)})
+
+    def document() -> dict[str, Any]:
+        pieces[-1]["seconds"] = time.perf_counter() - t_start
+        return {"command": " ".join([".venv/bin/python", "bench/quality.py", *(argv if argv is not None else sys.argv[1:])]),
+                "protocol": {"tasks": tasks, "eval_examples": args.eval_examples, "sts_pairs": args.sts_pairs,
+                             "lp_train": args.lp_train, "shuffles": args.shuffles,
+                             "final_only_shuffles": args.final_only_shuffles, "tuned": bool(args.tune),
+                             "tuning": tuned, "reduced": args.reduced_note, "overrides": overrides,
+                             "validation": args.validation, "val_rows": args.val_rows, "data": str(data),
+                             "lpft": {"mode": args.lpft, "rule": "LP-FT when the random-head expert's validation "
+                                      "accuracy is below the frozen-θ₀ linear probe's", "tasks": lpft},
+                             "coefficient_search": {
+                                 "cmaes": {"objective": "daemon ProbeObjective", **ObjectiveConfig().model_dump(),
+                                           "tasks": "validation rows", "general": "STS-B dev pairs"},
+                                 "adamerging": {"objective": "entropy of the seen tasks' heads",
+                                                "examples": args.ada_examples, "steps": args.ada_steps,
+                                                "inputs": "a subsample of the RI auxiliary inputs"}},
+                             "ri": {"policies": ri_wanted, "params": ri_params.__dict__, "aux_per_task": args.ri_aux,
+                                    "aux": "unlabeled train-split inputs of the tasks seen so far"},
+                             "recipe": {t: X.read_expert(experts[t])["recipe"] for t in tasks},
+                             "experts": {t: str(experts[t]) for t in tasks},
+                             "torch_threads": torch.get_num_threads(), "fold_threads": fold_threads,
+                             "args": protocol_args(args)},
+                "references": ref, "runs": runs, "skipped": skipped, "planned_runs": planned,
+                "pieces": pieces, "seconds": sum(p_["seconds"] for p_ in pieces)}
+
     if args.tune:
         log(f"tuning on {args.val_rows} validation rows per task ({args.validation}) with G on STS-B dev")
         vev = Evaluator(tdata, heads, val_rows, sts_dev, tok)
@@ -491,6 +536,7 @@ def main(argv: list[str] | None = None) -> int:
             best = max(scores, key=scores.get)
             tuned[pol] = {"param": key, "grid": grid, "val_H": scores, "chosen": best,
                           "at_grid_edge": best in (grid[0], grid[-1])}
+            save_outputs(document(), out)  # a resumed run keeps each finished grid
         pols = tuned_rows(pols, tuned, overrides)
 
     rng_orders: list[tuple[int | None, list[str]]] = [(None, tasks)]
@@ -501,7 +547,10 @@ def main(argv: list[str] | None = None) -> int:
     shuffle_labels = set(args.shuffle_policies.split(",")) if args.shuffle_policies else None
     planned = [[p[0] + p[1], seed] for seed, _ in rng_orders for p in pols
                if seed is None or shuffle_labels is None or p[0] + p[1] in shuffle_labels]
-    ri_params = RIParams(steps=args.ri_steps, lr=args.ri_lr, batch_size=16, max_length=64, eval_examples=64)
+    for name, seed in (prev or {}).get("planned_runs", []):  # +ri rows the earlier pieces planned
+        if [name, seed] not in planned:
+            planned.append([name, seed])
+    done = {(label_of(r), r["order_seed"]) for r in runs}
     ri_done: dict[tuple[str, ...], tuple[Path, float]] = {}
 
     def aux_inputs(seen) -> list:
@@ -522,32 +571,6 @@ def main(argv: list[str] | None = None) -> int:
             log(f"  RI {task} after {len(prefix) - 1} task(s): {res.steps} steps, loss {res.loss_before:.4f} -> "
                 f"{res.loss_after:.4f}, {ri_done[prefix][1]:.1f}s")
         return ri_done[prefix]
-
-    ri_wanted = [p for p in args.ri_policies.split(",") if p]
-    runs: list[dict[str, Any]] = []
-
-    def document() -> dict[str, Any]:
-        return {"command": " ".join([".venv/bin/python", "bench/quality.py", *(argv if argv is not None else sys.argv[1:])]),
-                "protocol": {"tasks": tasks, "eval_examples": args.eval_examples, "sts_pairs": args.sts_pairs,
-                             "lp_train": args.lp_train, "shuffles": args.shuffles,
-                             "final_only_shuffles": args.final_only_shuffles, "tuned": bool(args.tune),
-                             "tuning": tuned, "reduced": args.reduced_note, "overrides": overrides,
-                             "validation": args.validation, "val_rows": args.val_rows, "data": str(data),
-                             "lpft": {"mode": args.lpft, "rule": "LP-FT when the random-head expert's validation "
-                                      "accuracy is below the frozen-θ₀ linear probe's", "tasks": lpft},
-                             "coefficient_search": {
-                                 "cmaes": {"objective": "daemon ProbeObjective", **ObjectiveConfig().model_dump(),
-                                           "tasks": "validation rows", "general": "STS-B dev pairs"},
-                                 "adamerging": {"objective": "entropy of the seen tasks' heads",
-                                                "examples": args.ada_examples, "steps": args.ada_steps,
-                                                "inputs": "a subsample of the RI auxiliary inputs"}},
-                             "ri": {"policies": ri_wanted, "params": ri_params.__dict__, "aux_per_task": args.ri_aux,
-                                    "aux": "unlabeled train-split inputs of the tasks seen so far"},
-                             "recipe": {t: X.read_expert(experts[t])["recipe"] for t in tasks},
-                             "experts": {t: str(experts[t]) for t in tasks},
-                             "torch_threads": torch.get_num_threads(), "fold_threads": fold_threads},
-                "references": ref, "runs": runs, "skipped": skipped, "planned_runs": planned,
-                "seconds": time.perf_counter() - t_start}
 
     save_outputs(document(), out)  # the references and the plan, before the first run
     # every policy on the file order first, then the shuffles (an interrupted run keeps the former)
@@ -576,6 +599,8 @@ def main(argv: list[str] | None = None) -> int:
                     continue
             elif [pol + var, seed] not in planned:
                 continue
+            if (pol + var, seed) in done:
+                continue  # finished by an earlier piece (--resume)
             log(f"{pol}{var} {params} order={'file' if seed is None else seed}: {','.join(order)}")
             objective_for = None
             if params.get("coefficients") == "cmaes":

@@ -110,7 +110,7 @@ def write_md(doc: dict[str, Any], path: Path) -> None:
         missing = [f"{name} (order {'file' if seed is None else 'shuffle ' + str(seed)})"
                    for name, seed in (tuple(x) for x in planned) if (name, seed) not in done]
         lines += ["", f"Runs completed: {len(done)} of {len(planned)} planned."
-                  + (" Not completed (the run was stopped for time): " + ", ".join(missing) + "." if missing else "")]
+                  + (" Not completed yet (the benchmark runs in pieces: the same command with `--resume` runs only these): " + ", ".join(missing) + "." if missing else "")]
     if doc.get("skipped"):
         lines += ["", "Not run: " + "; ".join(doc["skipped"])]
     lines += ["", "## File order, per fold (ACC over the tasks seen so far / G / H)", ""]

@@ -220,3 +220,39 @@ def needs_lpft(expert_val_acc: float, probe_val_acc: float, margin: float = 0.0)
     features already had, the case LP-FT targets (Kumar et al., ICLR 2022)."""
     return expert_val_acc < probe_val_acc + margin
 
+
+
+#: options that do not change any measured number (where results go, threads, the md's note)
+_NOT_PROTOCOL = frozenset({"out", "workdir", "threads", "resume", "from_json", "reduced_note", "cache",
+                           "planned_policies"})
+
+
+def protocol_args(args: Any) -> dict[str, Any]:
+    """The command-line options that decide the measured numbers (everything but where results go,
+    threads and notes), as JSON values: a resumed run must have exactly these."""
+    return {k: v for k, v in sorted(vars(args).items()) if k not in _NOT_PROTOCOL}
+
+
+def load_resume(out: Path, args: Any) -> dict[str, Any] | None:
+    """The earlier pieces of this benchmark from ``out/quality.json`` for ``--resume``, or None when
+    there is no such file (a fresh start).
+
+    Raises:
+        BenchInputError: the file was written with other protocol options (listed by name), or
+            by a version of the script that did not record them; mixing them would merge
+            incomparable numbers.
+    """
+    path = out / "quality.json"
+    if not path.exists():
+        return None
+    doc = json.loads(path.read_text())
+    had = doc.get("protocol", {}).get("args")
+    if had is None:
+        raise BenchInputError(f"{path} does not record its options (written before --resume existed); "
+                              "start a fresh run in another --out")
+    now = json.loads(json.dumps(protocol_args(args)))
+    diff = sorted(k for k in set(had) | set(now) if had.get(k) != now.get(k))
+    if diff:
+        raise BenchInputError(f"{path} was run with other options: "
+                              + ", ".join(f"{k}={had.get(k)!r} (now {now.get(k)!r})" for k in diff))
+    return doc

@@ -161,3 +161,24 @@ def test_gains_table_compares_each_variant_with_its_parent_on_shared_orders(tmp_
     R.save_outputs(doc, tmp_path, lambda d, o: [])
     md = (tmp_path / "quality.md").read_text()
     assert "| dop+lines | dop | 1 | +1.5 | +2.0 | +0.0 | +0.0 | 2.0 | 1.0 |" in md
+
+
+def test_resume_keeps_earlier_pieces_only_for_the_same_protocol(tmp_path):
+    argv = ["--tasks", "sst2,trec", "--eval-examples", "50", "--tune", "--out", str(tmp_path)]
+    args = _args(*argv)
+    assert S.load_resume(tmp_path, args) is None  # nothing to resume: a fresh start
+    doc = {**_doc(), "protocol": {**_doc()["protocol"], "args": S.protocol_args(args)}}
+    (tmp_path / "quality.json").write_text(json.dumps(doc))
+    # where results go, threads and the note do not change a number: still the same run
+    same = _args(*argv, "--threads", "2", "--workdir", "/elsewhere", "--reduced-note", "x", "--resume")
+    assert S.load_resume(tmp_path, same)["runs"] == doc["runs"]
+    for change in (["--eval-examples", "60"], ["--shuffles", "1"], ["--set", "dop.alpha=0.7"], ["--cmaes"],
+                   ["--recipe", "lr=3e-5"], ["--validation", "train"]):
+        name = change[0].lstrip("-").replace("-", "_")
+        name = "sets" if name == "set" else name
+        with pytest.raises(S.BenchInputError, match=name):
+            S.load_resume(tmp_path, _args(*argv, *change))
+    legacy = {**_doc()}  # a file from before --resume recorded its options
+    (tmp_path / "quality.json").write_text(json.dumps(legacy))
+    with pytest.raises(S.BenchInputError, match="does not record its options"):
+        S.load_resume(tmp_path, args)
