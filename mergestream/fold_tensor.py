@@ -127,7 +127,7 @@ class TensorFolder:
         with self._lock:
             st = {k: v.to(dev) for k, v in self.read_state(name).items()}
         ctx = TensorContext(name, self.n_prev, self.prev_coeffs, is_embedding_name(name), seed_of(name),
-                            n_blocks=self.n_blocks)
+                            n_blocks=self.n_blocks, dtype=meta.dtype)
         res = self.pol.fold_tensor(b, bb, tau, st, ctx)
         del b, tau
         if not self.search:  # a coefficient search writes the output once, from the state
@@ -223,7 +223,8 @@ class TensorMerger:
             else:
                 check_finite_tensor(name, e, where)
                 taus.append(e.to(self.dev, torch.float32).sub_(b))
-        ctx = TensorContext(name, 0, (), is_embedding_name(name), seed_of(name), n_blocks=self.n_blocks)
+        ctx = TensorContext(name, 0, (), is_embedding_name(name), seed_of(name), n_blocks=self.n_blocks,
+                            dtype=meta.dtype)
         result = cast_checked(b.add_(self.pol.merge_tensor(b, taus, ctx)), meta.dtype, name)
         write_with_aliases(out.writer, name, result, self.aliases)
         out.stats.add({}, meta.numel, meta.nbytes * (1 + len(self.exps)))

@@ -3,7 +3,8 @@
 Layout of a state folder::
 
     manifest.json                     policy, parameters, base, current backbone, one record per fold
-    state-<gen>.safetensors           per-tensor policy state, keys "<tensor>::<field>" (float32/int)
+    state-<gen>.safetensors           per-tensor policy state, keys "<tensor>::<field>" (float32/int; MDM-OC's
+                                      unit directions in bfloat16 for 16-bit checkpoints)
     contrib/<id>-<gen>.safetensors    each fold's applied residual (for subtract-unmerge; see
                                       mergestream.residuals)
 

@@ -199,6 +199,37 @@ def test_mdm_oc_subtract_of_an_earlier_expert_leaves_a_state_that_describes_the_
     _assert_same(one.subtract("D"), minus_b, False, "subtract D after subtract B")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_mdm_oc_state_costs_the_model_in_its_storage_width_and_the_fold_applies_it_as_stored(tmp_path, dtype):
+    """Issue 11 item 3: MDM-OC keeps one unit direction per fold in the checkpoint's width (bf16 for
+    16-bit checkpoints, float32 otherwise; norms float32), the fold adds exactly the stored direction
+    (θ_1 = cast(θ₀ + α‖δ⊥‖·q) byte for byte, q as stored), later folds stay orthogonal to the stored
+    directions, and subtract of the latest restores the previous backbone within the storage rounding."""
+    base, bpath, ex = _setup(tmp_path, dtype, 3)
+    names = [k for k, v in base.items() if v.is_floating_point()]
+    alpha = 0.5
+    one = _Chain(tmp_path, "oc", bpath, "mdm_oc", {"alpha": alpha})
+    want_q = torch.float32 if dtype == torch.float32 else torch.bfloat16
+    outs = []
+    for k, c in enumerate("ABC", 1):
+        outs.append(one.fold(ex[c], c))
+        st = one.states(names)
+        for n in names:
+            assert st[n]["Q"].dtype == want_q and st[n]["norms"].dtype == torch.float32, n
+            assert st[n]["Q"].shape == (k, base[n].numel()), n
+        if k == 1:
+            for n in names:
+                q, norm = st[n]["Q"][0].float(), float(st[n]["norms"][0])
+                applied = base[n].float().add_(q.view(base[n].shape), alpha=alpha * norm).to(dtype)
+                assert torch.equal(_bits(applied), _bits(outs[0][n])), n
+    for n in names:  # the last direction is orthogonal to the stored (rounded) earlier ones
+        Q = st[n]["Q"].double()
+        gram = Q @ Q.T
+        off = gram - torch.diag(torch.diagonal(gram))
+        assert float(off.abs().max()) <= (1e-5 if dtype == torch.float32 else 2**-9), n
+    _assert_same(one.subtract("C"), outs[1], False, "subtract C", outs[2])
+
+
 def test_opcm_state_written_before_the_lambda_history_still_unmerges():
     """A state from before ``lams`` (only ``lam``): with one fold left λ₁ = 1 is known exactly;
     otherwise ``lam`` stays as it was (nothing better is known)."""

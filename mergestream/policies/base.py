@@ -39,6 +39,8 @@ class TensorContext:
         seed: a per-tensor seed for anything random (stable across runs).
         n_blocks: the model's number of transformer blocks, from θ₀'s tensor names
             (:func:`mergestream.policies.lines.block_count`); 0 when it has none.
+        dtype: the tensor's storage dtype in the checkpoint (the math is float32 regardless);
+            a policy may keep tensor-sized state no wider than what the checkpoint stores.
     """
 
     name: str
@@ -47,6 +49,7 @@ class TensorContext:
     is_embedding: bool = False
     seed: int = 0
     n_blocks: int = 0
+    dtype: torch.dtype = torch.float32
 
 
 @dataclass

@@ -19,8 +19,14 @@ Per tensor (METHODS.md §mdm_oc):
    theirs. ``layer_alphas`` folds with given per-layer α (what replay of such a fold uses).
 4. Unmerge expert k: θ − α_k δ_k⊥ (exact up to rounding); the state drops direction k.
 
-State per tensor: vector form ``Q`` (k, numel) unit directions and ``norms`` (k,); factored form
-``L`` (m, k·r), ``R`` (n, k·r) and ``norms`` (k,). Once any fold used per-layer α, also ``alphas``
+State per tensor: vector form ``Q`` (k, numel) unit directions and ``norms`` (k,) float32;
+factored form ``L`` (m, k·r), ``R`` (n, k·r) and ``norms`` (k,). ``Q`` is bfloat16 when the
+checkpoint stores the tensor in 16 bits (bf16 or fp16: bf16 keeps float32's exponent range, so
+the ~1/√numel entries of a unit vector stay normal numbers), float32 otherwise: a fold's state
+costs the model's size in its storage dtype, not twice it. The fold applies the direction as
+stored (rounded to bf16, then widened), so α·‖δ⊥‖·q is exactly what unmerge rebuilds; the
+rounding moves each entry by at most 2⁻⁹ of the direction's own entry, far below one unit in the
+last place of the 16-bit weight it is added to unless the update is as large as the weight. Once any fold used per-layer α, also ``alphas``
 (k,) float32: the α each direction has in this tensor (then it, not the manifest's one α per
 expert, is what :meth:`MdmOc.rebuild` and :meth:`MdmOc.contribution` use).
 """
@@ -41,13 +47,17 @@ from .lines import layer_index
 
 log = logging.getLogger(__name__)
 
+#: storage dtypes whose MDM-OC directions are kept in bfloat16 (module docstring)
+_HALF = (torch.bfloat16, torch.float16)
+
 
 def gram_schmidt(tau: Tensor, basis: Tensor, *, passes: int = 2, inplace: bool = False) -> Tensor:
     """Project a flat vector onto the null space of an orthonormal basis (modified Gram–Schmidt).
 
     Args:
         tau: (N,) float32 vector (modified only with ``inplace``).
-        basis: (k, N) float32 rows orthonormal (zero rows allowed).
+        basis: (k, N) float32 or bfloat16 rows orthonormal (zero rows allowed); a 16-bit row is
+            widened to float32 one row at a time.
         passes: 2 = re-orthogonalise once ("twice is enough", Giraud et al. 2005).
 
     Returns:
@@ -56,7 +66,7 @@ def gram_schmidt(tau: Tensor, basis: Tensor, *, passes: int = 2, inplace: bool =
     out = tau if inplace else tau.clone()
     for _ in range(passes):
         for j in range(basis.shape[0]):
-            q = basis[j]
+            q = basis[j] if basis.dtype == out.dtype else basis[j].to(out.dtype)
             out.sub_(q, alpha=float(torch.dot(q, out)))
     return out
 
@@ -203,7 +213,11 @@ class MdmOc(Policy):
                 norm = 0.0
             else:
                 unit.div_(norm)
-            stacked = unit[None] if Q.shape[0] == 0 else torch.cat([Q, unit[None]], 0)
+            q = unit
+            if Q.dtype != torch.float32 or (Q.shape[0] == 0 and ctx.dtype in _HALF):
+                q = unit.to(torch.bfloat16)  # the state's dtype (module docstring)
+                unit.copy_(q)  # applied exactly as stored: unmerge rebuilds these bytes
+            stacked = q[None] if Q.shape[0] == 0 else torch.cat([Q, q[None]], 0)
             new_state = {"Q": stacked, "norms": torch.cat([norms, norms.new_tensor([norm])]), **alphas}
             kept = norm / tau_norm if tau_norm > 0 else 0.0
             # Δ_t = α·‖δ⊥‖·q, applied by the engine as a scale: no tensor-sized temporary
@@ -212,8 +226,8 @@ class MdmOc(Policy):
         return TensorFold(direction.mul_(alpha), new_state, {"orthogonal_fraction": kept})
 
     def _direction(self, state: TensorState, index: int, shape: torch.Size) -> Tensor:
-        if "Q" in state:
-            return (state["Q"][index] * state["norms"][index]).view(shape)
+        if "Q" in state:  # float32 whatever the stored dtype (and never a view of the state)
+            return state["Q"][index].to(torch.float32, copy=True).mul_(state["norms"][index]).view(shape)
         r = state["L"].shape[1] // state["norms"].shape[0]
         sl = slice(index * r, (index + 1) * r)
         return state["L"][:, sl] @ state["R"][:, sl].T
