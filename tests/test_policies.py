@@ -12,8 +12,9 @@ from mergestream.checkpoints import open_checkpoint, read_state_dict
 from mergestream.errors import NonFiniteError, PolicyError
 from mergestream.folding import weights_stream
 from mergestream.policies import TensorContext, cmaes_coefficients, make_policy
+from mergestream.policies.masks import magnitude_mask
 from mergestream.policies.mdm_oc import gram_schmidt, orthogonal_factors
-from mergestream.policies.safe_merge import magnitude_mask, masked_recovery, top_singular
+from mergestream.policies.safe_merge import masked_recovery, top_singular
 from mergestream.policies.task_arithmetic import disjoint_mean, elect_sign, trim_top_k
 from mergestream.state import StateDir
 
@@ -134,6 +135,25 @@ def test_trim_keeps_exactly_k_percent():
     assert kept.abs().min() == 0 and kept.abs().max() == t.abs().max()
 
 
+@pytest.mark.parametrize("shape", [(64, 33), (1100, 1000)], ids=["small", "bracketed-trim"])
+@pytest.mark.parametrize("n,lam,k", [(1, 1.0, 20), (3, 0.7, 50), (2, 0.5, 100)])
+def test_continual_ties_later_fold_is_the_two_input_ties_of_the_earlier_merge_and_tau(shape, n, lam, k):
+    """A later continual TIES fold (written into the inputs' buffers, two temporaries) is exactly the
+    generic two-input TIES: trim both, elect the sign with weights (n, 1), disjoint mean, Δ = λ·τ_m −
+    (θ_{t−1} − θ₀); with explicit zeros, exact sign conflicts and entries whose weighted sum is 0."""
+    g = torch.Generator().manual_seed(n)
+    base = torch.randn(shape, generator=g)
+    prev, tau = _ties_inputs(seed=n, k=2, shape=shape)
+    prev[-3:] = tau[-3:] / -n  # n·prev + τ = 0 exactly where both survive the trim: +1 is elected
+    backbone = base + lam * prev
+    pol = make_policy("ties", {"k": k, "lambda": lam})
+    got = pol.fold_tensor(base.clone(), backbone.clone(), tau.clone(), {}, TensorContext("w", n_previous=n))
+    trimmed = [trim_top_k((backbone - base) / lam, k), trim_top_k(tau, k)]
+    merged = disjoint_mean(trimmed, [float(n), 1.0], elect_sign(trimmed, [float(n), 1.0]))
+    want = lam * merged - (backbone - base)
+    torch.testing.assert_close(got.full_delta(), want, rtol=1e-5, atol=1e-6)
+
+
 def test_continual_ties_first_fold_equals_offline_single(tmp_path):
     bpath, experts = _models(tmp_path, n_experts=1)
     engine.fold(bpath, None, experts[0], "ties", {"k": 20}, state_dir=tmp_path / "s", out=tmp_path / "c")
@@ -184,7 +204,9 @@ def test_safe_merge_outside_mask_is_bit_for_bit_unchanged_in_bf16(tmp_path):
 def test_magnitude_mask_keeps_exactly_the_top_scores(rho, ties, monkeypatch):
     """The bracketed selection keeps round(ρ·n) entries whose scores are the top-k's (as a multiset:
     which of tied entries is kept is free), with heavy ties too, and so does its fallback."""
-    from mergestream.policies import safe_merge
+    from mergestream.policies import (
+        masks as safe_merge,  # the selection's one home (TIES and SAFE-Merge)
+    )
 
     g = torch.Generator().manual_seed(3)
     score = torch.randn(1100, 1000, generator=g).abs()

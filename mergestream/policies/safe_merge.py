@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import warnings
 
-import numpy as np
 import torch
 from pydantic import Field
 
 from .base import Policy, PolicyParams, Tensor, TensorContext, TensorFold, TensorState
+from .masks import magnitude_mask
 
 # torch marks sparse CSR as beta and says so on the first CSR tensor; the recovery depends only on
 # sampled_addmm and CSR @ dense, which the tests check against the dense formulation.
@@ -64,56 +64,6 @@ def top_singular(w: Tensor, k: int, *, seed: int = 0) -> tuple[Tensor, Tensor]:
 def _project(u: Tensor, x: Tensor, v: Tensor) -> Tensor:
     """U Uᵀ x V Vᵀ for (m, k) U, (m, n) x, (n, k) V."""
     return u @ (u.T @ x @ v) @ v.T
-
-
-def magnitude_mask(score: Tensor, rho: float) -> Tensor:
-    """Boolean mask of exactly round(ρ·numel) entries with the largest score (float ``score``, any
-    shape; the mask has its shape). Which of several entries tied at the boundary is kept is
-    unspecified (as with ``torch.topk``).
-
-    On the CPU, for large tensors, the top set is found without a full top-k (``torch.topk`` with
-    k = ρ·numel took ~150 ms per 11M entries, a tenth of SAFE-Merge's fold): sample quantiles
-    bracket the threshold, entries above the bracket are kept, entries below it dropped, and one
-    small top-k over the entries inside the bracket picks the rest — the same set. When the sample
-    misjudged the bracket (rare) it falls back to the full top-k.
-    """
-    flat = score.reshape(-1)
-    n = flat.numel()
-    keep = min(n, max(0, round(rho * n)))
-    if keep in (0, n):
-        return torch.full_like(score, keep == n, dtype=torch.bool)
-    if score.device.type == "cpu" and n >= _BRACKET_MIN:
-        mask = _bracket_top(flat, keep)
-        if mask is not None:
-            return mask.view_as(score)
-    mask = torch.zeros(n, dtype=torch.bool, device=score.device)
-    mask[torch.topk(flat, keep, sorted=False).indices] = True
-    return mask.view_as(score)
-
-
-_BRACKET_MIN = 1 << 20  # entries below which a plain top-k is as fast
-_BRACKET_SAMPLE = 1 << 18  # sampled scores (quantile error ~0.0006 at the 0.9 quantile)
-_BRACKET_HALF_WIDTH = 0.003  # quantile half-width of the bracket (~5 standard errors)
-
-
-def _bracket_top(flat: Tensor, keep: int) -> Tensor | None:
-    """The top-``keep`` mask of CPU ``flat`` through a sampled bracket, or None to fall back."""
-    n = flat.numel()
-    x = flat.detach().contiguous().numpy()
-    gen = torch.Generator().manual_seed(n)  # deterministic: the same tensor gives the same mask
-    sample = flat[torch.randint(n, (_BRACKET_SAMPLE,), generator=gen)].numpy()
-    q = 1.0 - keep / n
-    lo, hi = np.quantile(sample, [max(0.0, q - _BRACKET_HALF_WIDTH), min(1.0, q + _BRACKET_HALF_WIDTH)])
-    above = x > hi
-    n_above = int(np.count_nonzero(above))
-    inside = np.flatnonzero((x >= lo) & ~above)  # [lo, hi]: with ties lo may equal hi
-    if not n_above <= keep <= n_above + inside.size:  # the threshold is not inside the bracket
-        return None
-    need = keep - n_above
-    if need:
-        top = torch.topk(torch.from_numpy(x[inside]), need, sorted=False).indices.numpy()
-        above[inside[top]] = True
-    return torch.from_numpy(above)
 
 
 def risk_scores(tau: Tensor, u0: Tensor, v0: Tensor, k_s: int, eps: float = 1e-12, seed: int = 0) -> Tensor:

@@ -25,13 +25,15 @@ import torch
 from pydantic import Field
 
 from .base import Policy, PolicyParams, Tensor, TensorContext, TensorFold, TensorState
+from .masks import top_mask
 
 
 def trim_top_k(tau: Tensor, k_percent: float, *, inplace: bool = False) -> Tensor:
-    """Keep the ``int(k/100 · numel)`` entries of largest |τ| (exactly), zero the rest.
+    """Keep the ``int(k/100 · numel)`` entries of largest |τ| (exactly), zero the rest (TIES step 1).
 
-    Uses ``torch.topk`` on |τ|, never a sort of the whole tensor (TIES step 1). Temporaries: |τ|
-    (freed after the selection), the selected indices and a boolean mask.
+    The selection is :func:`.masks.top_mask` (a sampled bracket around the threshold, never a sort
+    or a full top-k of a large tensor). Temporaries: |τ| (freed after the selection) and boolean
+    masks.
 
     Args:
         tau: float tensor of any shape.
@@ -48,11 +50,7 @@ def trim_top_k(tau: Tensor, k_percent: float, *, inplace: bool = False) -> Tenso
     keep = int(k_percent / 100.0 * flat.numel())
     if keep <= 0:
         return out.zero_()
-    idx = torch.topk(flat.abs(), keep, largest=True, sorted=False).indices
-    mask = torch.zeros(flat.numel(), dtype=torch.bool, device=flat.device)
-    mask[idx] = True
-    del idx
-    return out.mul_(mask.view_as(out))
+    return out.mul_(top_mask(flat.abs(), keep).view_as(out))
 
 
 def elect_sign(trimmed: list[Tensor], weights: list[float]) -> Tensor:
@@ -88,6 +86,25 @@ def max_magnitude(values: list[Tensor]) -> Tensor:
     for v in values[1:]:
         out = torch.where(v.abs() > out.abs(), v, out)
     return out
+
+
+def _ties_two(prev_t: Tensor, tau_t: Tensor, n: float, lam: float, backbone: Tensor, base: Tensor) -> Tensor:
+    """The continual TIES fold of one expert: Δ_t = λ·τ_m − (θ_{t−1} − θ₀), with τ_m the sign-elected
+    disjoint mean (TIES §3 steps 2-3) of the trimmed earlier merge ``prev_t`` (weight n) and the
+    trimmed task vector ``tau_t`` (weight 1): the same arithmetic as :func:`elect_sign` and
+    :func:`disjoint_mean` on two inputs, written into the two inputs' buffers and one more
+    (float32, θ's shape; both inputs are overwritten). Temporaries besides that buffer: boolean
+    masks only.
+    """
+    out = torch.mul(prev_t, n).add_(tau_t)  # n·prev + τ: its sign is the elected one (0 elects +1)
+    pos = out >= 0
+    agree_p = torch.where(pos, prev_t > 0, prev_t < 0)  # a zero never agrees
+    agree_t = torch.where(pos, tau_t > 0, tau_t < 0)
+    del pos
+    torch.mul(prev_t.mul_(agree_p), n, out=out).add_(tau_t.mul_(agree_t))  # Σ wᵢ·τᵢ over agreeing values
+    den = prev_t.copy_(agree_p).mul_(n).add_(agree_t).clamp_min_(1.0)  # Σ wᵢ over them (none: 0/1)
+    del agree_p, agree_t
+    return out.div_(den).mul_(lam).sub_(backbone).add_(base)
 
 
 class GeneralizedTaskArithmeticParams(PolicyParams):
@@ -133,15 +150,14 @@ class GeneralizedTaskArithmetic(Policy):
             # so skip their tensor-sized temporaries (τ is ours to modify: trimmed in place)
             return TensorFold(trim_top_k(tau, self.params.k, inplace=True).mul_(lam))
         prev = (backbone - base).div_(lam)  # τ_m of the n experts folded so far
+        if self.consensus == "ties":  # prev's buffer is trimmed in place and reused (two temporaries)
+            return TensorFold(_ties_two(trim_top_k(prev, self.params.k, inplace=True),
+                                        trim_top_k(tau, self.params.k, inplace=True), float(n), lam, backbone, base))
         if self.consensus == "max":
             trimmed = trim_top_k(tau, self.params.k, inplace=True)
             delta = torch.where(trimmed.abs() > prev.abs(), trimmed - prev, torch.zeros_like(prev))
             return TensorFold(delta.mul_(lam))
-        # TIES: prev stays whole (Δ_t = λ·(τ_m − prev)), its trimmed copy is a temporary; τ is trimmed in place
-        trimmed = [trim_top_k(prev, self.params.k), trim_top_k(tau, self.params.k, inplace=True)]
-        merged = disjoint_mean(trimmed, [float(n), 1.0], elect_sign(trimmed, [float(n), 1.0]))
-        del trimmed
-        return TensorFold(merged.sub_(prev).mul_(lam))
+        raise AssertionError(self.consensus)  # pragma: no cover - the consensus is one of the three
 
 
 class TaskArithmetic(GeneralizedTaskArithmetic):
