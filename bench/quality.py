@@ -89,11 +89,13 @@ from mergestream.ri import RIParams, adapt_expert, load_feature_model  # noqa: E
 
 #: LiNeS for the 6-block MiniLM: shallowest blocks at half the update, the deepest at all of it
 LINES = {"lines_alpha": 0.5, "lines_beta": 0.5, "lines_layers": 6}
+#: SAFE-Merge's row (METHODS.md defaults; its Adam steps: the policy's default, 50)
+SAFE_DEFAULTS: dict[str, Any] = {"rho": 0.1, "lambda": 0.3}
 #: (policy, variant label, params): METHODS.md defaults.
 POLICIES: list[tuple[str, str, dict[str, Any]]] = [
     ("task_arithmetic", "", {"lambda": 0.3}),
     ("ties", "", {"lambda": 1.0, "k": 20}),
-    ("safe_merge", "", {"rho": 0.1, "lambda": 0.3}),
+    ("safe_merge", "", SAFE_DEFAULTS),
     ("safe_merge", "+magnitude-mask", {"rho": 0.1, "lambda": 0.3, "risk_mask": False, "steps": 0}),
     ("mdm_oc", "", {"alpha": 0.3}),
     ("opcm", "", {"alpha": 0.5}),
@@ -312,6 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ada-examples", type=int, default=ObjectiveConfig().adamerging_examples,
                     help="unlabeled inputs of the adamerging objective (a subsample of RI's)")
     ap.add_argument("--no-uad", action="store_true")
+    ap.add_argument("--steps-curve", default="",
+                    help="SAFE-Merge's H-vs-steps curve: comma-separated Adam step counts, each an extra row "
+                         "safe_merge+steps<N> run on the file order only (e.g. 0,25,100,200)")
     ap.add_argument("--ri-policies", default="task_arithmetic,ties,best",
                     help="policies also run with the RI pre-step ('+ri' rows); 'best' = the best other "
                          "policy by H on the file order; '' for none")
@@ -360,8 +365,24 @@ def select_policies(args: argparse.Namespace) -> tuple[list[tuple[str, str, dict
     if args.adamerging and (not args.policies or "mdm_oc+adamerging" in want):
         pols = pols + [("mdm_oc", "+adamerging", {"alpha": 0.3, "coefficients": "adamerging",
                                                   "ada_steps": args.ada_steps})]
+    pols = pols + [("safe_merge", f"+steps{n}", {**SAFE_DEFAULTS, "steps": n}) for n in curve_steps(args)]
     overrides = merge_overrides(load_config(args.config) if args.config else {}, parse_sets(args.sets))
     return apply_overrides(pols, overrides), overrides
+
+
+def curve_steps(args: argparse.Namespace) -> list[int]:
+    """``--steps-curve`` as step counts (each a non-negative integer).
+
+    Raises:
+        SystemExit: a value that is not one.
+    """
+    try:
+        steps = [int(v) for v in args.steps_curve.split(",") if v.strip()]
+    except ValueError:
+        raise SystemExit(f"--steps-curve: comma-separated integers, got {args.steps_curve!r}") from None
+    if any(n < 0 for n in steps):
+        raise SystemExit(f"--steps-curve: step counts are >= 0, got {args.steps_curve!r}")
+    return steps
 
 
 def tuned_rows(pols, tuned: dict[str, Any], overrides: dict[str, dict[str, Any]]):
@@ -427,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"re-rendered {out / 'quality.md'} from {args.from_json}")
         return 0
     pols, overrides = select_policies(args)  # bad parameters fail here, before any model is loaded
-    prev = load_resume(out, args) if args.resume else None  # so do options that differ from the run resumed
+    prev = load_resume(out, args, vars(build_parser().parse_args([]))) if args.resume else None  # so do options that differ from the run resumed
     over = parse_recipe(args.recipe)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="ms-quality-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -545,8 +566,10 @@ def main(argv: list[str] | None = None) -> int:
         random.Random(s).shuffle(o)
         rng_orders.append((s, o))
     shuffle_labels = set(args.shuffle_policies.split(",")) if args.shuffle_policies else None
+    curve = {f"safe_merge+steps{n}" for n in curve_steps(args)}  # the steps curve: file order only
     planned = [[p[0] + p[1], seed] for seed, _ in rng_orders for p in pols
-               if seed is None or shuffle_labels is None or p[0] + p[1] in shuffle_labels]
+               if seed is None or ((shuffle_labels is None or p[0] + p[1] in shuffle_labels)
+                                   and p[0] + p[1] not in curve)]
     for name, seed in (prev or {}).get("planned_runs", []):  # +ri rows the earlier pieces planned
         if [name, seed] not in planned:
             planned.append([name, seed])

@@ -5,6 +5,7 @@ they are tested cheaply (tests/test_quality_tooling.py).
 
 from __future__ import annotations
 
+import argparse
 import csv
 import dataclasses
 import hashlib
@@ -233,9 +234,10 @@ def protocol_args(args: Any) -> dict[str, Any]:
     return {k: v for k, v in sorted(vars(args).items()) if k not in _NOT_PROTOCOL}
 
 
-def load_resume(out: Path, args: Any) -> dict[str, Any] | None:
+def load_resume(out: Path, args: Any, defaults: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """The earlier pieces of this benchmark from ``out/quality.json`` for ``--resume``, or None when
-    there is no such file (a fresh start).
+    there is no such file (a fresh start). ``defaults``: the options' default values; an option the
+    file does not record (added to the script after that run started) matches its default.
 
     Raises:
         BenchInputError: the file was written with other protocol options (listed by name), or
@@ -251,7 +253,8 @@ def load_resume(out: Path, args: Any) -> dict[str, Any] | None:
         raise BenchInputError(f"{path} does not record its options (written before --resume existed); "
                               "start a fresh run in another --out")
     now = json.loads(json.dumps(protocol_args(args)))
-    diff = sorted(k for k in set(had) | set(now) if had.get(k) != now.get(k))
+    dflt = json.loads(json.dumps(protocol_args(argparse.Namespace(**defaults)))) if defaults else {}
+    diff = sorted(k for k in set(had) | set(now) if had.get(k, dflt.get(k)) != now.get(k))
     if diff:
         raise BenchInputError(f"{path} was run with other options: "
                               + ", ".join(f"{k}={had.get(k)!r} (now {now.get(k)!r})" for k in diff))

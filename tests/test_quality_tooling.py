@@ -163,6 +163,15 @@ def test_gains_table_compares_each_variant_with_its_parent_on_shared_orders(tmp_
     assert "| dop+lines | dop | 1 | +1.5 | +2.0 | +0.0 | +0.0 | 2.0 | 1.0 |" in md
 
 
+def test_steps_curve_rows_are_safe_merge_with_those_steps_and_bad_values_fail_early():
+    pols, _ = quality.select_policies(_args("--policies", "safe_merge", "--steps-curve", "0,200"))
+    assert [(v, p.get("steps")) for _, v, p in pols] == [("", None), ("+steps0", 0), ("+steps200", 200)]
+    assert all(p["rho"] == quality.SAFE_DEFAULTS["rho"] for _, _, p in pols)
+    for bad in ("0,x", "-5"):
+        with pytest.raises(SystemExit, match="steps-curve"):
+            quality.select_policies(_args("--steps-curve", bad))
+
+
 def test_resume_keeps_earlier_pieces_only_for_the_same_protocol(tmp_path):
     argv = ["--tasks", "sst2,trec", "--eval-examples", "50", "--tune", "--out", str(tmp_path)]
     args = _args(*argv)
@@ -178,6 +187,13 @@ def test_resume_keeps_earlier_pieces_only_for_the_same_protocol(tmp_path):
         name = "sets" if name == "set" else name
         with pytest.raises(S.BenchInputError, match=name):
             S.load_resume(tmp_path, _args(*argv, *change))
+    # an option added to the script after the run started matches when it is at its default
+    older = {k: v for k, v in S.protocol_args(args).items() if k != "steps_curve"}
+    (tmp_path / "quality.json").write_text(json.dumps({**doc, "protocol": {**doc["protocol"], "args": older}}))
+    defaults = vars(quality.build_parser().parse_args([]))
+    assert S.load_resume(tmp_path, args, defaults)["runs"] == doc["runs"]
+    with pytest.raises(S.BenchInputError, match="steps_curve"):
+        S.load_resume(tmp_path, _args(*argv, "--steps-curve", "0,200"), defaults)
     legacy = {**_doc()}  # a file from before --resume recorded its options
     (tmp_path / "quality.json").write_text(json.dumps(legacy))
     with pytest.raises(S.BenchInputError, match="does not record its options"):
