@@ -33,6 +33,36 @@ def complete_plan(doc: dict[str, Any]) -> None:
 
 
 
+#: row variants a starter config cannot run without data or a search objective
+_NEEDS_DATA = ("+ri", "+cmaes", "+adamerging")
+
+
+def recommended_row(doc: dict[str, Any]) -> dict[str, Any] | None:
+    """The row ``mergestream init`` and the demo should default to: among rows that need no data
+    (no RI, no coefficient search) and have every order of the protocol (file order + each shuffle)
+    finished, the one with the best mean H over the orders. None until such rows exist in a finished
+    benchmark (every planned run done).
+
+    Returns:
+        {"label", "policy", "params", "H", "orders"}.
+    """
+    done = {(label(r), r["order_seed"]) for r in doc["runs"]}
+    if any((n, s) not in done for n, s in (tuple(x) for x in doc.get("planned_runs", []))):
+        return None
+    orders = {None, *range(doc["protocol"]["shuffles"])}
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in doc["runs"]:
+        if not r["variant"].endswith(_NEEDS_DATA):
+            groups.setdefault(label(r), []).append(r)
+    full = {n: rs for n, rs in groups.items() if {r["order_seed"] for r in rs} == orders}
+    if not full:
+        return None
+    name = max(full, key=lambda n: float(np.mean([r["final"]["H"] for r in full[n]])))
+    rs = full[name]
+    return {"label": name, "policy": rs[0]["policy"], "params": rs[0]["params"],
+            "H": float(np.mean([r["final"]["H"] for r in rs])), "orders": len(rs)}
+
+
 def label(run: dict[str, Any]) -> str:
     """A run's row label: policy + variant (``opcm+lines``)."""
     return run["policy"] + run["variant"]
@@ -111,6 +141,11 @@ def write_md(doc: dict[str, Any], path: Path) -> None:
                    for name, seed in (tuple(x) for x in planned) if (name, seed) not in done]
         lines += ["", f"Runs completed: {len(done)} of {len(planned)} planned."
                   + (" Not completed yet (the benchmark runs in pieces: the same command with `--resume` runs only these): " + ", ".join(missing) + "." if missing else "")]
+    rec = recommended_row(doc)
+    if rec is not None:
+        lines += ["", f"Recommended default (`mergestream init`, the demo): **{rec['label']}** "
+                  f"({', '.join(f'{k}={v}' for k, v in rec['params'].items())}), mean H {rec['H']:.1f} over "
+                  f"{rec['orders']} orders — the best row that needs no data (no RI, no coefficient search)."]
     if doc.get("skipped"):
         lines += ["", "Not run: " + "; ".join(doc["skipped"])]
     lines += ["", "## File order, per fold (ACC over the tasks seen so far / G / H)", ""]

@@ -236,12 +236,13 @@ def _operator(config_path: str, verb: str, arg: str | None) -> None:
 @cli.command("init")
 @click.argument("folder", type=click.Path())
 @click.option("--base", required=True, type=click.Path(exists=True), help="the pretrained base θ₀")
-@click.option("--policy", default="task_arithmetic", show_default=True, type=POLICY, help="merge policy")
+@click.option("--policy", default=None, type=POLICY,
+              help="merge policy [default: the best measured on the quality benchmark, with its parameters]")
 @_fail_cleanly
 def init_cmd(folder, base, policy) -> None:
     """Write a commented starter FOLDER/config.yaml (inbox FOLDER/inbox, state FOLDER/state)."""
     from .checkpoints import open_checkpoint
-    from .config import write_starter
+    from .starter import write_starter
 
     with open_checkpoint(base) as ck:  # a base that is not a model is refused now, not at the first fold
         if not ck.keys():

@@ -36,7 +36,7 @@ from pydantic_settings import (
 )
 
 from .errors import MergestreamError, PolicyError
-from .policies import Policy, make_policy, parameter_names, policy_names
+from .policies import RECOMMENDED_PARAMS, RECOMMENDED_POLICY, Policy, make_policy, policy_names
 
 
 class ConfigError(MergestreamError):
@@ -87,12 +87,21 @@ class ObjectiveConfig(_Section):
 class PolicyConfig(_Section):
     """The merge policy and its parameters (names as in METHODS.md)."""
 
-    name: str = Field("task_arithmetic", description=" | ".join(policy_names()))
+    name: str = Field(RECOMMENDED_POLICY, description=" | ".join(policy_names()))
     params: dict[str, Any] = Field(default_factory=dict, description="policy parameters, e.g. {lambda: 0.3}")
     unmerge_mode: Literal["subtract", "replay"] = Field("subtract", description="how `unmerge EXPERT` removes an expert")
     preprocess: list[Literal["ri"]] = Field(default_factory=list, description="pre-steps applied to each expert")
     ri: RIConfig = Field(default_factory=RIConfig)
     objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _recommended_params(cls, data: Any) -> Any:
+        """No policy named: the recommended one with its measured parameters (an explicit ``params``,
+        even ``{}``, is kept)."""
+        if isinstance(data, dict) and "name" not in data and "params" not in data:
+            return {**data, "params": dict(RECOMMENDED_PARAMS)}
+        return data
 
     @field_validator("preprocess")
     @classmethod
@@ -464,123 +473,3 @@ def load_config(path: str | os.PathLike) -> Config:
                          for e in exc.errors())
         raise ConfigError(f"{p}: {errs}") from None
     return _resolve(cfg, p.resolve().parent)
-
-
-STARTER = """\
-# mergestream daemon configuration (written by `mergestream init`).
-# Every key is optional except `base`. Environment variables override this file:
-# MERGESTREAM_<KEY> or MERGESTREAM_<SECTION>__<KEY>, e.g. MERGESTREAM_MLFLOW__TRACKING_URI.
-# Relative paths are resolved against this file's folder.
-
-# The pretrained base θ₀ every expert was fine-tuned from (file or Hugging Face folder).
-base: {base}
-
-# The merge policy and its parameters (the README's policy table lists them all):
-{policies}policy:
-  name: {policy}
-  params: {{}}
-  unmerge_mode: subtract        # how `mergestream unmerge EXPERT` removes an expert: subtract | replay
-  # Data-driven extras (README, "Data-driven merging"):
-  # preprocess: [ri]            # RI pre-step: adapt each expert (that ships a task head) on unlabeled data
-  # ri: {{data: aux.txt, steps: 100, time_budget_seconds: 300, alpha: 1.0}}
-  # with mdm_oc and params {{coefficients: cmaes, budget: 40}}, CMA-ES maximises the data probes:
-  # objective: {{task_weight: 1.0, general_weight: 1.0, examples_per_task: 64, general_pairs: 200}}
-  # with mdm_oc and params {{coefficients: adamerging}}, per-layer α are learned on ri.data (needed even
-  # without preprocess [ri]; experts must ship a task head): objective: {{adamerging_examples: 64}}
-
-# New experts arrive here: a .safetensors file, a Hugging Face folder or a PEFT LoRA adapter folder.
-# One is ready when a READY marker appears (inside a folder; `<file>.READY` next to a file), or when
-# its files are complete and their sizes stayed unchanged for settle_seconds.
-inbox: inbox
-watch:
-  settle_seconds: 2.0
-  polling: false                # true for network filesystems
-
-# Published versions (versions/NNNNNN), the `current` pointer, the ledger and caches.
-state_dir: state
-retention: 5                    # published versions kept; `current` is never deleted
-
-# Prometheus metrics on http://HOST:PORT/metrics, plus /healthz and /readyz.
-metrics:
-  host: 127.0.0.1
-  port: 9108
-
-# MLflow: one run per fold; accepted versions registered under `registered_model` with `alias`.
-# Without tracking_uri, a sqlite store inside state_dir is used (no server needed).
-mlflow:
-  enabled: true
-  # tracking_uri: http://127.0.0.1:5000
-  experiment: mergestream
-  registered_model: mergestream-backbone
-  alias: champion
-  registry:                     # also take experts from a model registry
-    enabled: false
-    models: []                  # registered model names holding experts
-    interval_seconds: 30
-    # pending_timeout_seconds: 3600   # skip a version stuck PENDING_REGISTRATION this long (s)
-
-# Object storage (pip install -e '.[s3]' from the checkout; credentials from the standard AWS chain only):
-# s3:                           # also take experts from a bucket (README, "Object storage (S3)")
-#   enabled: true
-#   bucket: experts
-#   prefix: incoming/
-#   endpoint_url: http://127.0.0.1:9000   # MinIO, Ceph, R2...; omit for AWS
-#   interval_seconds: 30
-#   cache: true                 # false: fold in place with ranged reads, no local copy
-# publish:
-#   uri: s3://models/backbone/  # mirror every published version; the object `current` is written last
-
-# A signed update feed for edge devices (pip install -e '.[feed]' from the checkout; README, "Fleet updates"):
-# feed:
-#   dir: feed                   # serve this folder over HTTP; rebuilt after each version and rollback
-#   keys: keys                  # from `mergestream feed keygen --keys keys`
-#   patch_format: 2
-#   expires: {{timestamp: 1d}}    # re-signed every half lifetime while the daemon runs
-
-# Probes run on every candidate before it is published. weight_space (data-free: relative_drift,
-# step_drift, general_subspace_energy, max_task_cosine) is always on. Data probes, e.g.:
-#   - type: sentence_similarity
-#     params: {{data: stsb_test.tsv, metric: sts_spearman}}
-#   - type: classification      # experts that ship mergestream_probe/ keep being probed
-#   - type: entrypoint
-#     params: {{target: mypackage.probes:score}}
-probes:
-  - type: weight_space
-
-# Gate: every rule must hold or the candidate is rejected (rolled back) and `current` stays.
-# Defaults reject a fold that moves the weights far more than earlier folds did.
-gate:
-  rules:
-    - metric: step_drift        # ||θ_t − θ_(t−1)|| / ||θ₀||
-      direction: lower
-      max_ratio_to_history: 10  # at most 10x the median of accepted folds
-    - metric: relative_drift    # ||θ_t − θ₀|| / ||θ₀||
-      direction: lower
-      max_value: 0.5
-    # - metric: sts_spearman
-    #   direction: higher
-    #   against: base
-    #   max_abs_drop: 5.0
-"""
-
-
-def _policy_lines() -> str:
-    """The starter's comment listing every registered policy with its parameter names."""
-    return "".join(f"#   {name}: {', '.join(parameter_names(name))}\n" for name in policy_names())
-
-
-def write_starter(folder: str | os.PathLike, base: str, policy: str = "task_arithmetic") -> Path:
-    """Write ``folder/config.yaml`` (commented) and create ``folder/inbox``; returns the file path.
-
-    Raises:
-        ConfigError: the config file already exists.
-    """
-    d = Path(folder)
-    d.mkdir(parents=True, exist_ok=True)
-    path = d / "config.yaml"
-    if path.exists():
-        raise ConfigError(f"{path} already exists")
-    (d / "inbox").mkdir(exist_ok=True)
-    path.write_text(STARTER.format(base=str(Path(base).resolve()), policy=policy, policies=_policy_lines()))
-    load_config(path)  # the starter must always validate
-    return path

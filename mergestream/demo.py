@@ -39,7 +39,7 @@ from typing import Any
 import click
 
 from . import experts as X
-from .policies import policy_names
+from .policies import RECOMMENDED_PARAMS, RECOMMENDED_POLICY, policy_names
 
 #: Default task subset: three short-text tasks (plus the harmful expert, built on sst2 with 30 steps).
 DEFAULT_TASKS = ("sst2", "trec", "tweets")
@@ -399,7 +399,7 @@ def demo_specs(tasks: list[str], *, harmful_at: int | None = None, probe_example
 
 
 def run_demo(tasks: list[str] | None = None, *, workdir: str | os.PathLike = "mergestream-demo",
-             policy: str = "task_arithmetic", params: dict[str, Any] | None = None, cache: str | None = None,
+             policy: str = RECOMMENDED_POLICY, params: dict[str, Any] | None = None, cache: str | None = None,
              data: str | None = None, port: int = 9108, mlflow: bool = True, live: bool = True,
              sts_max_pairs: int | None = None, probe_examples: int = 200, recipe: dict[str, Any] | None = None,
              harmful_recipe: dict[str, Any] | None = None, gate: dict[str, float] | None = None,
@@ -414,7 +414,7 @@ def run_demo(tasks: list[str] | None = None, *, workdir: str | os.PathLike = "me
     specs = demo_specs(tasks, probe_examples=probe_examples, recipe=DEMO_RECIPE if recipe is None else recipe,
                        harmful_recipe=harmful_recipe)
     if params is None:
-        params = {"lambda": 0.3} if policy == "task_arithmetic" else {}
+        params = dict(RECOMMENDED_PARAMS) if policy == RECOMMENDED_POLICY else {}
     d = _Demo(specs, X.HARMFUL_NAME, workdir=Path(workdir).resolve(), policy=policy, params=params, cache=cache,
               data=data, port=port, mlflow=mlflow, sts_max_pairs=sts_max_pairs, gate=gate or STS_GATE,
               evaluate=evaluate)
@@ -472,8 +472,8 @@ def print_summary(res: DemoResult, console=None) -> None:
 
 
 @click.command("demo")
-@click.option("--policy", default="task_arithmetic", show_default=True, type=click.Choice(policy_names()),
-              help="merge policy")
+@click.option("--policy", default=RECOMMENDED_POLICY, show_default=True, type=click.Choice(policy_names()),
+              help="merge policy (default: the best measured on the quality benchmark, with its parameters)")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="policy parameter (repeatable)")
 @click.option("--tasks", default=",".join(DEFAULT_TASKS), show_default=True,
               help=f"comma-separated tasks from shared/data/tasks ({', '.join(X.STREAM_TASKS + X.EXTRA_TASKS)})")
@@ -498,8 +498,8 @@ def demo_cmd(policy, sets, tasks, workdir, cache, data, port, no_mlflow, no_live
 
         k, v = s.split("=", 1)
         params[k] = yaml.safe_load(v)
-    if policy == "task_arithmetic" and not params:
-        params = {"lambda": 0.3}
+    if policy == RECOMMENDED_POLICY and not params:
+        params = dict(RECOMMENDED_PARAMS)
     make_policy(policy, params)  # fail early on a bad policy
     task_list = [t.strip() for t in tasks.split(",") if t.strip()]
     try:

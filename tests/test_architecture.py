@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mergestream.policies import REGISTRY, parameter_names, policy_names
+from mergestream.policies import RECOMMENDED_POLICY, REGISTRY, parameter_names, policy_names
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "mergestream"
@@ -177,7 +177,8 @@ def test_cli_choices_and_starter_config_come_from_the_registry(tmp_path):
     from click.testing import CliRunner
 
     from mergestream.cli import cli
-    from mergestream.config import load_config, write_starter
+    from mergestream.config import load_config
+    from mergestream.starter import write_starter
 
     help_text = CliRunner().invoke(cli, ["fold", "--help"]).output
     assert "|".join(policy_names()) in help_text
@@ -188,4 +189,4 @@ def test_cli_choices_and_starter_config_come_from_the_registry(tmp_path):
     text = write_starter(tmp_path / "d", str(base)).read_text()
     for name in REGISTRY:
         assert f"#   {name}: {', '.join(parameter_names(name))}" in text
-    assert load_config(tmp_path / "d" / "config.yaml").policy.name == "task_arithmetic"
+    assert load_config(tmp_path / "d" / "config.yaml").policy.name == RECOMMENDED_POLICY

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from mergestream.config import ConfigError, GateRule, load_config, write_starter
+from mergestream.config import ConfigError, GateRule, load_config
+from mergestream.starter import write_starter
 from mergestream.daemon import gate
 from mergestream.daemon.ledger import Ledger
 from mergestream.daemon.metrics import Metrics, MetricsServer
