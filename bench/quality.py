@@ -68,6 +68,7 @@ from quality_setup import (  # noqa: E402
     apply_overrides,
     carve_validation,
     carved_folder,
+    check_resumed_experts,
     default_out,
     load_config,
     load_resume,
@@ -85,6 +86,7 @@ from mergestream.coefficients import EntropyObjective  # noqa: E402
 from mergestream.config import ObjectiveConfig  # noqa: E402
 from mergestream.daemon.objective import ProbeObjective  # noqa: E402
 from mergestream.daemon.probes import SentenceSimilarityProbe, TaskProbeSpec  # noqa: E402
+from mergestream.checkpoints import open_checkpoint  # noqa: E402
 from mergestream.engine import fold, unmerge  # noqa: E402
 from mergestream.patch_build import build_patch  # noqa: E402
 from mergestream.ri import RIParams, adapt_expert, load_feature_model  # noqa: E402
@@ -398,6 +400,12 @@ def tuned_rows(pols, tuned: dict[str, Any], overrides: dict[str, dict[str, Any]]
     return out
 
 
+def expert_hash(folder: Path) -> str:
+    """An expert's content hash (the weights hash every mergestream ledger uses)."""
+    with open_checkpoint(folder) as ck:
+        return ck.sha256()
+
+
 def build_experts(tasks, data: Path, over: dict[str, Any], lpft: str, val: dict[str, list] | None, log, cache=None):
     """The experts of ``tasks`` built from ``data``; with ``lpft='rule'`` (needs ``val``) a task gets
     LP-FT when its random-head expert is not better than a linear probe on frozen θ₀ on the
@@ -472,6 +480,8 @@ def main(argv: list[str] | None = None) -> int:
         val_rows = {t: X.subsample(X.load_task(t, data).train, args.val_rows, seed=7) for t in tasks}
     experts, lpft = build_experts(tasks, data, over, args.lpft, val_rows if args.validation == "holdout" else None,
                                   log, cache=args.cache)
+    expert_hashes = {t: expert_hash(experts[t]) for t in tasks}
+    check_resumed_experts(prev, expert_hashes)
     tdata = {t: X.load_task(t, data) for t in tasks}
     heads = {t: T.load_head(experts[t] / "head.safetensors", t) for t in tasks}
     rows = {t: X.subsample(tdata[t].test, args.eval_examples, seed=0) for t in tasks}
@@ -534,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
                              "ri": {"policies": ri_wanted, "params": ri_params.__dict__, "aux_per_task": args.ri_aux,
                                     "aux": "unlabeled train-split inputs of the tasks seen so far"},
                              "recipe": {t: X.read_expert(experts[t])["recipe"] for t in tasks},
-                             "experts": {t: str(experts[t]) for t in tasks},
+                             "experts": {t: str(experts[t]) for t in tasks}, "expert_hashes": expert_hashes,
                              "torch_threads": torch.get_num_threads(), "fold_threads": fold_threads,
                              "args": protocol_args(args)},
                 "references": ref, "runs": runs, "skipped": skipped, "planned_runs": planned,

@@ -259,3 +259,21 @@ def load_resume(out: Path, args: Any, defaults: dict[str, Any] | None = None) ->
         raise BenchInputError(f"{path} was run with other options: "
                               + ", ".join(f"{k}={had.get(k)!r} (now {now.get(k)!r})" for k in diff))
     return doc
+
+
+def check_resumed_experts(prev: dict[str, Any] | None, hashes: dict[str, str]) -> None:
+    """A resumed run must fold the very experts of its earlier pieces: their content hashes (the
+    weights hash of :meth:`mergestream.checkpoints.Checkpoint.sha256`) must equal the recorded ones.
+    A run that recorded none (older pieces) is not checked.
+
+    Raises:
+        BenchInputError: an expert differs (e.g. the expert cache was lost and the expert retrained).
+    """
+    had = (prev or {}).get("protocol", {}).get("expert_hashes")
+    if not had:
+        return
+    diff = sorted(t for t in set(had) | set(hashes) if had.get(t) != hashes.get(t))
+    if diff:
+        raise BenchInputError("the experts differ from the run being resumed (retrained or another cache?): "
+                              + ", ".join(f"{t} {str(had.get(t))[:12]} -> {str(hashes.get(t))[:12]}" for t in diff)
+                              + "; start a fresh run in another --out")

@@ -198,3 +198,12 @@ def test_resume_keeps_earlier_pieces_only_for_the_same_protocol(tmp_path):
     (tmp_path / "quality.json").write_text(json.dumps(legacy))
     with pytest.raises(S.BenchInputError, match="does not record its options"):
         S.load_resume(tmp_path, args)
+
+
+def test_a_resumed_run_refuses_experts_that_differ_from_its_earlier_pieces():
+    prev = {"protocol": {"expert_hashes": {"sst2": "a" * 64, "trec": "b" * 64}}}
+    S.check_resumed_experts(prev, {"sst2": "a" * 64, "trec": "b" * 64})
+    S.check_resumed_experts(None, {"sst2": "c" * 64})  # a fresh start
+    S.check_resumed_experts({"protocol": {}}, {"sst2": "c" * 64})  # pieces that recorded none
+    with pytest.raises(S.BenchInputError, match="trec bbbbbbbbbbbb -> cccccccccccc"):
+        S.check_resumed_experts(prev, {"sst2": "a" * 64, "trec": "c" * 64})
