@@ -65,6 +65,7 @@ from quality_report import hmean, save_outputs  # noqa: E402
 from quality_report import label as label_of  # noqa: E402
 from quality_setup import (  # noqa: E402
     RESULTS,
+    BenchInputError,
     apply_overrides,
     carve_validation,
     carved_folder,
@@ -117,7 +118,7 @@ POLICIES: list[tuple[str, str, dict[str, Any]]] = [
 GRID = {"task_arithmetic": ("lambda", [0.1, 0.15, 0.2, 0.3, 0.5]), "ties": ("lambda", [0.5, 0.7, 1.0, 1.3]),
         "safe_merge": ("lambda", [0.2, 0.3, 0.5, 0.7]), "mdm_oc": ("alpha", [0.1, 0.15, 0.2, 0.3, 0.5]),
         "opcm": ("alpha", [0.3, 0.5, 0.7, 0.9]), "magmax": ("lambda", [0.15, 0.2, 0.3, 0.5, 0.7]),
-        "dop": ("alpha", [0.5, 0.7, 0.8, 0.9, 0.95])}
+        "dop": ("alpha", [0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 1.0])}  # 0.95 won at the old edge: up to α's bound
 UAD_POLICIES = ("task_arithmetic", "mdm_oc")
 
 
@@ -400,6 +401,22 @@ def tuned_rows(pols, tuned: dict[str, Any], overrides: dict[str, dict[str, Any]]
     return out
 
 
+def stale_grid(entry: dict[str, Any], grid: list[float], pol: str, runs: list[dict[str, Any]]) -> bool:
+    """True when a resumed run's recorded tuning of ``pol`` used another grid than ``grid`` (then it is
+    tuned again).
+
+    Raises:
+        BenchInputError: the grid changed but runs of ``pol`` (or its variants) were already made with
+            the old tuned value: they would not be comparable with the rest.
+    """
+    if [float(v) for v in entry["grid"]] == [float(v) for v in grid]:
+        return False
+    if any(r["policy"] == pol for r in runs):
+        raise BenchInputError(f"{pol}: GRID changed since its runs were made with {entry['param']}={entry['chosen']}; "
+                              "start a fresh run in another --out")
+    return True
+
+
 def expert_hash(folder: Path) -> str:
     """An expert's content hash (the weights hash every mergestream ledger uses)."""
     with open_checkpoint(folder) as ck:
@@ -554,9 +571,14 @@ def main(argv: list[str] | None = None) -> int:
         log(f"tuning on {args.val_rows} validation rows per task ({args.validation}) with G on STS-B dev")
         vev = Evaluator(tdata, heads, val_rows, sts_dev, tok)
         for pol, var, params in pols:
-            if pol not in GRID or var or pol in tuned:
+            if pol not in GRID or var:
                 continue
             key, grid = GRID[pol]
+            if pol in tuned and stale_grid(tuned[pol], grid, pol, runs):
+                log(f"  {pol}: its grid changed since it was tuned ({tuned[pol]['grid']} -> {grid}): tuned again")
+                del tuned[pol]
+            if pol in tuned:
+                continue
             if key in overrides.get(pol, {}):
                 continue  # set explicitly: not tuned
             scores = {}

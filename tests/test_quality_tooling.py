@@ -207,3 +207,11 @@ def test_a_resumed_run_refuses_experts_that_differ_from_its_earlier_pieces():
     S.check_resumed_experts({"protocol": {}}, {"sst2": "c" * 64})  # pieces that recorded none
     with pytest.raises(S.BenchInputError, match="trec bbbbbbbbbbbb -> cccccccccccc"):
         S.check_resumed_experts(prev, {"sst2": "a" * 64, "trec": "c" * 64})
+
+
+def test_a_changed_grid_is_tuned_again_unless_runs_used_the_old_value():
+    entry = {"param": "alpha", "grid": [0.5, 0.9], "chosen": 0.9}
+    assert not quality.stale_grid(entry, [0.5, 0.9], "dop", [])
+    assert quality.stale_grid(entry, [0.5, 0.9, 1.0], "dop", [{"policy": "opcm"}])
+    with pytest.raises(S.BenchInputError, match="dop: GRID changed"):
+        quality.stale_grid(entry, [0.5, 0.9, 1.0], "dop", [{"policy": "dop"}])
