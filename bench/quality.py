@@ -417,6 +417,29 @@ def stale_grid(entry: dict[str, Any], grid: list[float], pol: str, runs: list[di
     return True
 
 
+def measure_references(tasks, experts, ev: Evaluator, base_model, tok, tdata, rows, args, log) -> dict[str, Any]:
+    """The reference rows of quality.md: each expert's accuracy and G, θ₀ with each expert's head, a
+    linear probe on frozen θ₀, and θ₀'s G."""
+    log("references: experts, base with expert heads, linear probe, G")
+    ref: dict[str, Any] = {"expert_acc": {}, "base_head_acc": {}, "linear_probe_acc": {}, "expert_G": {},
+                           "base_G": ev.g(base_model)}
+    for t in tasks:
+        ref["base_head_acc"][t] = ev.acc(base_model, t)
+        lp_train = X.subsample(tdata[t].train, args.lp_train, seed=0)
+        emb = X.embed_rows(base_model, tok, lp_train, max_length=64)
+        w, b = X.fit_linear_probe(emb, [y for _, _, y in lp_train], len(tdata[t].classes))
+        ref["linear_probe_acc"][t] = T.head_accuracy(X.embed_rows(base_model, tok, rows[t], max_length=64),
+                                                     [y for _, _, y in rows[t]], w, b)
+        em = ev.load(experts[t])
+        ref["expert_acc"][t] = ev.acc(em, t)
+        meta = X.read_expert(experts[t])
+        ref["expert_G"][t] = meta["sts_spearman"] if args.sts_pairs is None and meta.get("sts_spearman") is not None else ev.g(em)
+        del em
+        log(f"  {t}: expert {ref['expert_acc'][t]:.1f}  base+head {ref['base_head_acc'][t]:.1f}  "
+            f"LP {ref['linear_probe_acc'][t]:.1f}  expert G {ref['expert_G'][t]:.2f}")
+    return ref
+
+
 def expert_hash(folder: Path) -> str:
     """An expert's content hash (the weights hash every mergestream ledger uses)."""
     with open_checkpoint(folder) as ck:
@@ -498,6 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     experts, lpft = build_experts(tasks, data, over, args.lpft, val_rows if args.validation == "holdout" else None,
                                   log, cache=args.cache)
     expert_hashes = {t: expert_hash(experts[t]) for t in tasks}
+    recipes = {t: X.read_expert(experts[t])["recipe"] for t in tasks}  # read once, saved after every run
     check_resumed_experts(prev, expert_hashes)
     tdata = {t: X.load_task(t, data) for t in tasks}
     heads = {t: T.load_head(experts[t] / "head.safetensors", t) for t in tasks}
@@ -507,28 +531,12 @@ def main(argv: list[str] | None = None) -> int:
     ev = Evaluator(tdata, heads, rows, sts, tok)
 
     # references
-    ref: dict[str, Any] = {"expert_acc": {}, "base_head_acc": {}, "linear_probe_acc": {}, "expert_G": {}}
     if prev is not None:
         ref = prev["references"]
         log(f"resuming {out / 'quality.json'}: {len(prev['runs'])} run(s) and "
             f"{len(prev['protocol']['tuning'])} tuned polic(ies) kept")
     else:
-        log("references: experts, base with expert heads, linear probe, G")
-        ref["base_G"] = ev.g(base_model)
-    for t in (tasks if prev is None else []):
-        ref["base_head_acc"][t] = ev.acc(base_model, t)
-        lp_train = X.subsample(tdata[t].train, args.lp_train, seed=0)
-        emb = X.embed_rows(base_model, tok, lp_train, max_length=64)
-        w, b = X.fit_linear_probe(emb, [y for _, _, y in lp_train], len(tdata[t].classes))
-        ref["linear_probe_acc"][t] = T.head_accuracy(X.embed_rows(base_model, tok, rows[t], max_length=64),
-                                                     [y for _, _, y in rows[t]], w, b)
-        em = ev.load(experts[t])
-        ref["expert_acc"][t] = ev.acc(em, t)
-        meta = X.read_expert(experts[t])
-        ref["expert_G"][t] = meta["sts_spearman"] if args.sts_pairs is None and meta.get("sts_spearman") is not None else ev.g(em)
-        del em
-        log(f"  {t}: expert {ref['expert_acc'][t]:.1f}  base+head {ref['base_head_acc'][t]:.1f}  "
-            f"LP {ref['linear_probe_acc'][t]:.1f}  expert G {ref['expert_G'][t]:.2f}")
+        ref = measure_references(tasks, experts, ev, base_model, tok, tdata, rows, args, log)
 
     skipped = ([] if args.cmaes else ["mdm_oc with CMA-ES coefficients (--cmaes; not run for time)"]) + \
         ([] if args.adamerging else ["mdm_oc with AdaMerging coefficients (--adamerging; not run for time)"])
@@ -560,7 +568,7 @@ def main(argv: list[str] | None = None) -> int:
                                                 "inputs": "a subsample of the RI auxiliary inputs"}},
                              "ri": {"policies": ri_wanted, "params": ri_params.__dict__, "aux_per_task": args.ri_aux,
                                     "aux": "unlabeled train-split inputs of the tasks seen so far"},
-                             "recipe": {t: X.read_expert(experts[t])["recipe"] for t in tasks},
+                             "recipe": recipes,
                              "experts": {t: str(experts[t]) for t in tasks}, "expert_hashes": expert_hashes,
                              "torch_threads": torch.get_num_threads(), "fold_threads": fold_threads,
                              "args": protocol_args(args)},

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             row[side] = {"ACC": acc, "G": g, "H": hmean(acc, g), "acc": accs, "fold_seconds": got["seconds"]}
             print(f"{name} at {side}: ACC {acc:.2f} G {g:.2f} H {row[side]['H']:.2f} "
                   f"({time.perf_counter() - t0:.0f}s)", flush=True)
-            subprocess.run(["rm", "-rf", str(work)], check=False)
+            shutil.rmtree(work, ignore_errors=True)
         row["delta_H"] = row["head"]["H"] - row["rev"]["H"]
         results.append(row)
 

@@ -150,14 +150,13 @@ class GeneralizedTaskArithmetic(Policy):
             # so skip their tensor-sized temporaries (τ is ours to modify: trimmed in place)
             return TensorFold(trim_top_k(tau, self.params.k, inplace=True).mul_(lam))
         prev = (backbone - base).div_(lam)  # τ_m of the n experts folded so far
-        if self.consensus == "ties":  # prev's buffer is trimmed in place and reused (two temporaries)
-            return TensorFold(_ties_two(trim_top_k(prev, self.params.k, inplace=True),
-                                        trim_top_k(tau, self.params.k, inplace=True), float(n), lam, backbone, base))
         if self.consensus == "max":
             trimmed = trim_top_k(tau, self.params.k, inplace=True)
             delta = torch.where(trimmed.abs() > prev.abs(), trimmed - prev, torch.zeros_like(prev))
             return TensorFold(delta.mul_(lam))
-        raise AssertionError(self.consensus)  # pragma: no cover - the consensus is one of the three
+        # TIES: prev's buffer is trimmed in place and reused (two temporaries)
+        return TensorFold(_ties_two(trim_top_k(prev, self.params.k, inplace=True),
+                                    trim_top_k(tau, self.params.k, inplace=True), float(n), lam, backbone, base))
 
 
 class TaskArithmetic(GeneralizedTaskArithmetic):
