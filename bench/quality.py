@@ -65,11 +65,12 @@ from quality_report import hmean, save_outputs  # noqa: E402
 from quality_report import label as label_of  # noqa: E402
 from quality_setup import (  # noqa: E402
     RESULTS,
-    BenchInputError,
     apply_overrides,
     carve_validation,
     carved_folder,
     check_resumed_experts,
+    curve_steps,
+    expert_hash,
     default_out,
     load_config,
     load_resume,
@@ -78,6 +79,7 @@ from quality_setup import (  # noqa: E402
     parse_recipe,
     parse_sets,
     protocol_args,
+    stale_grid,
     validation_rows,
 )
 
@@ -87,7 +89,6 @@ from mergestream.coefficients import EntropyObjective  # noqa: E402
 from mergestream.config import ObjectiveConfig  # noqa: E402
 from mergestream.daemon.objective import ProbeObjective  # noqa: E402
 from mergestream.daemon.probes import SentenceSimilarityProbe, TaskProbeSpec  # noqa: E402
-from mergestream.checkpoints import open_checkpoint  # noqa: E402
 from mergestream.engine import fold, unmerge  # noqa: E402
 from mergestream.patch_build import build_patch  # noqa: E402
 from mergestream.ri import RIParams, adapt_expert, load_feature_model  # noqa: E402
@@ -375,21 +376,6 @@ def select_policies(args: argparse.Namespace) -> tuple[list[tuple[str, str, dict
     return apply_overrides(pols, overrides), overrides
 
 
-def curve_steps(args: argparse.Namespace) -> list[int]:
-    """``--steps-curve`` as step counts (each a non-negative integer).
-
-    Raises:
-        SystemExit: a value that is not one.
-    """
-    try:
-        steps = [int(v) for v in args.steps_curve.split(",") if v.strip()]
-    except ValueError:
-        raise SystemExit(f"--steps-curve: comma-separated integers, got {args.steps_curve!r}") from None
-    if any(n < 0 for n in steps):
-        raise SystemExit(f"--steps-curve: step counts are >= 0, got {args.steps_curve!r}")
-    return steps
-
-
 def tuned_rows(pols, tuned: dict[str, Any], overrides: dict[str, dict[str, Any]]):
     """Every row with its parent's tuned coefficient (variants follow their parent), except where the
     coefficient was set explicitly for that policy or row."""
@@ -399,22 +385,6 @@ def tuned_rows(pols, tuned: dict[str, Any], overrides: dict[str, dict[str, Any]]
         explicit = t is not None and (t["param"] in overrides.get(pol, {}) or t["param"] in overrides.get(pol + var, {}))
         out.append((pol, var, params if t is None or explicit else {**params, t["param"]: t["chosen"]}))
     return out
-
-
-def stale_grid(entry: dict[str, Any], grid: list[float], pol: str, runs: list[dict[str, Any]]) -> bool:
-    """True when a resumed run's recorded tuning of ``pol`` used another grid than ``grid`` (then it is
-    tuned again).
-
-    Raises:
-        BenchInputError: the grid changed but runs of ``pol`` (or its variants) were already made with
-            the old tuned value: they would not be comparable with the rest.
-    """
-    if [float(v) for v in entry["grid"]] == [float(v) for v in grid]:
-        return False
-    if any(r["policy"] == pol for r in runs):
-        raise BenchInputError(f"{pol}: GRID changed since its runs were made with {entry['param']}={entry['chosen']}; "
-                              "start a fresh run in another --out")
-    return True
 
 
 def measure_references(tasks, experts, ev: Evaluator, base_model, tok, tdata, rows, args, log) -> dict[str, Any]:
@@ -438,12 +408,6 @@ def measure_references(tasks, experts, ev: Evaluator, base_model, tok, tdata, ro
         log(f"  {t}: expert {ref['expert_acc'][t]:.1f}  base+head {ref['base_head_acc'][t]:.1f}  "
             f"LP {ref['linear_probe_acc'][t]:.1f}  expert G {ref['expert_G'][t]:.2f}")
     return ref
-
-
-def expert_hash(folder: Path) -> str:
-    """An expert's content hash (the weights hash every mergestream ledger uses)."""
-    with open_checkpoint(folder) as ck:
-        return ck.sha256()
 
 
 def build_experts(tasks, data: Path, over: dict[str, Any], lpft: str, val: dict[str, list] | None, log, cache=None):

@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from mergestream import experts as X
+from mergestream.checkpoints import open_checkpoint
 from mergestream.errors import MergestreamError
 from mergestream.policies import make_policy
 
@@ -277,3 +278,40 @@ def check_resumed_experts(prev: dict[str, Any] | None, hashes: dict[str, str]) -
         raise BenchInputError("the experts differ from the run being resumed (retrained or another cache?): "
                               + ", ".join(f"{t} {str(had.get(t))[:12]} -> {str(hashes.get(t))[:12]}" for t in diff)
                               + "; start a fresh run in another --out")
+
+
+def curve_steps(args: argparse.Namespace) -> list[int]:
+    """``--steps-curve`` as step counts (each a non-negative integer).
+
+    Raises:
+        SystemExit: a value that is not one.
+    """
+    try:
+        steps = [int(v) for v in args.steps_curve.split(",") if v.strip()]
+    except ValueError:
+        raise SystemExit(f"--steps-curve: comma-separated integers, got {args.steps_curve!r}") from None
+    if any(n < 0 for n in steps):
+        raise SystemExit(f"--steps-curve: step counts are >= 0, got {args.steps_curve!r}")
+    return steps
+
+
+def stale_grid(entry: dict[str, Any], grid: list[float], pol: str, runs: list[dict[str, Any]]) -> bool:
+    """True when a resumed run's recorded tuning of ``pol`` used another grid than ``grid`` (then it is
+    tuned again).
+
+    Raises:
+        BenchInputError: the grid changed but runs of ``pol`` (or its variants) were already made with
+            the old tuned value: they would not be comparable with the rest.
+    """
+    if [float(v) for v in entry["grid"]] == [float(v) for v in grid]:
+        return False
+    if any(r["policy"] == pol for r in runs):
+        raise BenchInputError(f"{pol}: GRID changed since its runs were made with {entry['param']}={entry['chosen']}; "
+                              "start a fresh run in another --out")
+    return True
+
+
+def expert_hash(folder: Path) -> str:
+    """An expert's content hash (the weights hash every mergestream ledger uses)."""
+    with open_checkpoint(folder) as ck:
+        return ck.sha256()
