@@ -114,12 +114,15 @@ POLICIES: list[tuple[str, str, dict[str, Any]]] = [
     ("safe_merge", "+projected", {"rho": 0.1, "lambda": 0.3, "project_rank": 16}),
     ("safe_merge", "+projected+lines", {"rho": 0.1, "lambda": 0.3, "project_rank": 16, **LINES}),
     ("mdm_oc", "+lines", {"alpha": 0.3, **LINES}),
+    # λ of the tensors Iso-C leaves to task arithmetic (1-D, embeddings): task arithmetic's tuned value
+    ("iso_c", "", {"alpha": 1.5, "lambda": 0.2}),
 ]
 #: the coefficient --tune searches per policy (the last run's tuned values sit inside each grid)
 GRID = {"task_arithmetic": ("lambda", [0.1, 0.15, 0.2, 0.3, 0.5]), "ties": ("lambda", [0.5, 0.7, 1.0, 1.3]),
         "safe_merge": ("lambda", [0.2, 0.3, 0.5, 0.7]), "mdm_oc": ("alpha", [0.1, 0.15, 0.2, 0.3, 0.5]),
         "opcm": ("alpha", [0.3, 0.5, 0.7, 0.9]), "magmax": ("lambda", [0.15, 0.2, 0.3, 0.5, 0.7]),
-        "dop": ("alpha", [0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 1.0])}  # 0.95 won at the old edge: up to α's bound
+        "dop": ("alpha", [0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 1.0]),
+        "iso_c": ("alpha", [1.0, 1.5, 2.0, 2.7, 3.5])}  # 0.95 won at the old edge: up to α's bound
 UAD_POLICIES = ("task_arithmetic", "mdm_oc")
 
 

@@ -36,7 +36,7 @@ from pydantic_settings import (
 )
 
 from .errors import MergestreamError, PolicyError
-from .policies import RECOMMENDED_PARAMS, RECOMMENDED_POLICY, Policy, make_policy, policy_names
+from .policies import REGISTRY, RECOMMENDED_PARAMS, RECOMMENDED_POLICY, Policy, make_policy, policy_names
 
 
 class ConfigError(MergestreamError):
@@ -89,7 +89,8 @@ class PolicyConfig(_Section):
 
     name: str = Field(RECOMMENDED_POLICY, description=" | ".join(policy_names()))
     params: dict[str, Any] = Field(default_factory=dict, description="policy parameters, e.g. {lambda: 0.3}")
-    unmerge_mode: Literal["subtract", "replay"] = Field("subtract", description="how `unmerge EXPERT` removes an expert")
+    unmerge_mode: Literal["subtract", "replay"] = Field(
+        "subtract", description="how `unmerge EXPERT` removes an expert (default replay for a policy that cannot subtract)")
     preprocess: list[Literal["ri"]] = Field(default_factory=list, description="pre-steps applied to each expert")
     ri: RIConfig = Field(default_factory=RIConfig)
     objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)
@@ -100,8 +101,19 @@ class PolicyConfig(_Section):
         """No policy named: the recommended one with its measured parameters (an explicit ``params``,
         even ``{}``, is kept)."""
         if isinstance(data, dict) and "name" not in data and "params" not in data:
-            return {**data, "params": dict(RECOMMENDED_PARAMS)}
+            data = {**data, "params": dict(RECOMMENDED_PARAMS)}
+        if isinstance(data, dict) and "unmerge_mode" not in data:
+            cls_ = REGISTRY.get(data.get("name", RECOMMENDED_POLICY))
+            if cls_ is not None and not cls_.subtract_unmerge:  # e.g. Iso-C: replay is its only unmerge
+                data = {**data, "unmerge_mode": "replay"}
         return data
+
+    @model_validator(mode="after")
+    def _unmerge_mode_fits(self) -> PolicyConfig:
+        if self.unmerge_mode == "subtract" and not self.make().subtract_unmerge:
+            raise ValueError(f"policy {self.name} cannot unmerge by subtract (its state folds the experts "
+                             "together): set policy.unmerge_mode: replay")
+        return self
 
     @field_validator("preprocess")
     @classmethod

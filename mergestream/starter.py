@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 
 from .config import ConfigError, load_config
-from .policies import RECOMMENDED_PARAMS, RECOMMENDED_POLICY, parameter_names, policy_names
+from .policies import REGISTRY, RECOMMENDED_PARAMS, RECOMMENDED_POLICY, parameter_names, policy_names
 
 STARTER = """\
 # mergestream daemon configuration (written by `mergestream init`).
@@ -28,7 +28,7 @@ base: {base}
 {policies}policy:
   name: {policy}
   params: {params}
-  unmerge_mode: subtract        # how `mergestream unmerge EXPERT` removes an expert: subtract | replay
+  unmerge_mode: {unmerge_mode}{pad}# how `mergestream unmerge EXPERT` removes an expert: subtract | replay
   # Data-driven extras (README, "Data-driven merging"):
   # preprocess: [ri]            # RI pre-step: adapt each expert (that ships a task head) on unlabeled data
   # ri: {{data: aux.txt, steps: 100, time_budget_seconds: 300, alpha: 1.0}}
@@ -134,8 +134,11 @@ def write_starter(folder: str | os.PathLike, base: str, policy: str | None = Non
         raise ConfigError(f"{path} already exists")
     (d / "inbox").mkdir(exist_ok=True)
     params = RECOMMENDED_PARAMS if policy in (None, RECOMMENDED_POLICY) else {}
+    cls = REGISTRY.get(policy or RECOMMENDED_POLICY)
+    mode = "replay" if cls is not None and not cls.subtract_unmerge else "subtract"
     path.write_text(STARTER.format(base=str(Path(base).resolve()), policy=policy or RECOMMENDED_POLICY,
                                    params=yaml.safe_dump(params, default_flow_style=True).strip(),
+                                   unmerge_mode=mode, pad=" " * max(1, 10 - len(mode)),
                                    policies=_policy_lines()))
     load_config(path)  # the starter must always validate
     return path

@@ -71,7 +71,9 @@ def unmerge(state_dir: str | os.PathLike, expert_id: str, mode: str, *, out: str
     is one cheap element-wise pass and always runs locally.
 
     Raises:
-        StateError: unknown expert, missing contribution, or (replay) an expert file that is gone.
+        StateError: unknown expert, missing contribution, ``subtract`` for a policy that cannot
+            (:attr:`~mergestream.policies.base.Policy.subtract_unmerge`, e.g. Iso-C), or (replay)
+            an expert file that is gone.
     """
     pin_mmap_threshold()
     if mode not in ("subtract", "replay"):
@@ -97,6 +99,9 @@ def subtract(sd: StateDir, k: int, *, out, base, backbone, device, threads, max_
     """θ − Δ_k for every tensor (see :func:`unmerge`); updates ``sd``."""
     man = sd.manifest
     pol = make_policy(man.policy, man.folds[k].params)
+    if not pol.subtract_unmerge:
+        raise StateError(f"policy {man.policy} keeps the experts folded together in its state, so subtract "
+                         f"cannot remove {man.folds[k].id!r} from it; use --mode replay (refolds the others)")
     if not backbone or not Path(backbone).exists():
         raise StateError(f"backbone {backbone} recorded in {sd.path} is missing; pass --backbone")
     dev = resolve_device(device)

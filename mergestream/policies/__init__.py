@@ -16,6 +16,7 @@ from typing import Any
 from ..errors import PolicyError
 from .base import Policy, PolicyParams, TensorContext, TensorFold
 from .dop import Dop
+from .iso_c import IsoC
 from .lines import Lines, split_lines_params, with_lines
 from .mdm_oc import MdmOc, cmaes_coefficients, stability_penalty
 from .opcm import Opcm
@@ -23,7 +24,7 @@ from .safe_merge import SafeMerge
 from .task_arithmetic import MagMax, TaskArithmetic, Ties
 
 REGISTRY: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (TaskArithmetic, Ties, SafeMerge, MdmOc, Opcm, MagMax, Dop)
+    cls.name: cls for cls in (TaskArithmetic, Ties, SafeMerge, MdmOc, Opcm, MagMax, Dop, IsoC)
 }
 
 #: The policy and parameters ``mergestream init``, the starter config, the daemon's config default and
@@ -67,5 +68,5 @@ def parameter_names(name: str) -> list[str]:
 
 
 __all__ = ["REGISTRY", "Policy", "PolicyParams", "TensorContext", "TensorFold", "make_policy", "parameter_names",
-           "policy_names", "cmaes_coefficients", "stability_penalty", "Dop", "Lines", "MdmOc", "Opcm", "SafeMerge", "MagMax",
+           "policy_names", "cmaes_coefficients", "stability_penalty", "Dop", "IsoC", "Lines", "MdmOc", "Opcm", "SafeMerge", "MagMax",
            "TaskArithmetic", "Ties"]

@@ -91,6 +91,10 @@ class Policy:
     #: True when :meth:`contribution` rebuilds each fold's contribution from the state, so the
     #: engine need not store contributions separately.
     contributions_in_state: ClassVar[bool] = False
+    #: False when ``subtract`` unmerge cannot give a correct state (the policy's state folds the
+    #: experts together irreversibly, e.g. Iso-C's running sum): unmerge then refuses ``subtract``
+    #: and names ``replay``.
+    subtract_unmerge: ClassVar[bool] = True
 
     def __init__(self, params: dict[str, Any] | PolicyParams | None = None):
         if isinstance(params, PolicyParams):

@@ -105,6 +105,7 @@ class Lines(Policy):
         self.params = inner.params
         self.coefficient_param = inner.coefficient_param  # type: ignore[misc]
         self.contributions_in_state = inner.contributions_in_state  # type: ignore[misc]
+        self.subtract_unmerge = inner.subtract_unmerge  # type: ignore[misc]
 
     def is_identity(self) -> bool:
         """λ = 1 for every tensor (α = 1, β = 0)."""
