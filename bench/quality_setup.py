@@ -295,17 +295,18 @@ def curve_steps(args: argparse.Namespace) -> list[int]:
     return steps
 
 
-def stale_grid(entry: dict[str, Any], grid: list[float], pol: str, runs: list[dict[str, Any]]) -> bool:
-    """True when a resumed run's recorded tuning of ``pol`` used another grid than ``grid`` (then it is
-    tuned again).
+def stale_grid(entry: dict[str, Any], grid: list[float], pol: str, runs: list[dict[str, Any]],
+               variant: str = "") -> bool:
+    """True when a resumed run's recorded tuning of ``pol`` (or of its row ``pol + variant``, for a
+    variant tuned on its own) used another grid than ``grid`` (then it is tuned again).
 
     Raises:
-        BenchInputError: the grid changed but runs of ``pol`` (or its variants) were already made with
-            the old tuned value: they would not be comparable with the rest.
+        BenchInputError: the grid changed but runs of ``pol`` (or its variants; with ``variant``: of that
+            row) were already made with the old tuned value: they would not be comparable with the rest.
     """
     if [float(v) for v in entry["grid"]] == [float(v) for v in grid]:
         return False
-    if any(r["policy"] == pol for r in runs):
+    if any(r["policy"] == pol and (not variant or r.get("variant", "") == variant) for r in runs):
         raise BenchInputError(f"{pol}: GRID changed since its runs were made with {entry['param']}={entry['chosen']}; "
                               "start a fresh run in another --out")
     return True

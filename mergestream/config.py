@@ -36,7 +36,7 @@ from pydantic_settings import (
 )
 
 from .errors import MergestreamError, PolicyError
-from .policies import REGISTRY, RECOMMENDED_PARAMS, RECOMMENDED_POLICY, Policy, make_policy, policy_names
+from .policies import RECOMMENDED_PARAMS, RECOMMENDED_POLICY, Policy, make_policy, policy_names
 
 
 class ConfigError(MergestreamError):
@@ -103,8 +103,11 @@ class PolicyConfig(_Section):
         if isinstance(data, dict) and "name" not in data and "params" not in data:
             data = {**data, "params": dict(RECOMMENDED_PARAMS)}
         if isinstance(data, dict) and "unmerge_mode" not in data:
-            cls_ = REGISTRY.get(data.get("name", RECOMMENDED_POLICY))
-            if cls_ is not None and not cls_.subtract_unmerge:  # e.g. Iso-C: replay is its only unmerge
+            try:
+                pol = make_policy(data.get("name", RECOMMENDED_POLICY), data.get("params") or {})
+            except (PolicyError, TypeError, ValueError):
+                return data  # reported by the checks below
+            if not pol.subtract_unmerge:  # e.g. Iso-C: replay is its only unmerge
                 data = {**data, "unmerge_mode": "replay"}
         return data
 

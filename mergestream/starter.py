@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 
 from .config import ConfigError, load_config
-from .policies import REGISTRY, RECOMMENDED_PARAMS, RECOMMENDED_POLICY, parameter_names, policy_names
+from .policies import RECOMMENDED_PARAMS, RECOMMENDED_POLICY, make_policy, parameter_names, policy_names
 
 STARTER = """\
 # mergestream daemon configuration (written by `mergestream init`).
@@ -134,8 +134,7 @@ def write_starter(folder: str | os.PathLike, base: str, policy: str | None = Non
         raise ConfigError(f"{path} already exists")
     (d / "inbox").mkdir(exist_ok=True)
     params = RECOMMENDED_PARAMS if policy in (None, RECOMMENDED_POLICY) else {}
-    cls = REGISTRY.get(policy or RECOMMENDED_POLICY)
-    mode = "replay" if cls is not None and not cls.subtract_unmerge else "subtract"
+    mode = "subtract" if make_policy(policy or RECOMMENDED_POLICY, params).subtract_unmerge else "replay"
     path.write_text(STARTER.format(base=str(Path(base).resolve()), policy=policy or RECOMMENDED_POLICY,
                                    params=yaml.safe_dump(params, default_flow_style=True).strip(),
                                    unmerge_mode=mode, pad=" " * max(1, 10 - len(mode)),

@@ -117,3 +117,33 @@ def test_config_and_starter_default_to_replay_for_iso_c(tmp_path):
         PolicyConfig(name="iso_c", unmerge_mode="subtract")
     path = write_starter(tmp_path / "site", str(tmp_path / "base.safetensors"), policy="iso_c")
     assert "unmerge_mode: replay" in path.read_text()
+
+
+def test_safe_merge_with_iso_alpha_merges_its_masked_updates_isotropically(tmp_path):
+    """SAFE-Merge + Iso-C: the backbone's 2-D weights are θ₀ + α·iso(Σ D_i), D_i SAFE-Merge's masked
+    update of expert i (no recovery steps here, so D_i does not depend on the fold order); other
+    tensors keep SAFE-Merge's λ·(M ⊙ τ); subtract is refused, the config defaults to replay."""
+    base = random_model(0)
+    bpath = save_tensors(tmp_path / "b.safetensors", base)
+    exps = [perturb(base, 0.05, 30 + i) for i in range(3)]
+    paths = [save_tensors(tmp_path / f"e{i}.safetensors", e) for i, e in enumerate(exps)]
+    common = {"k": 4, "k_s": 4, "steps": 0, "rho": 0.3, "lambda": 0.5}
+    prev = None
+    for i, e in enumerate(paths):
+        engine.fold(bpath, prev, e, "safe_merge", {**common, "iso_alpha": 1.3}, state_dir=tmp_path / "s",
+                    out=tmp_path / f"o{i}", expert_id=f"e{i}")
+        prev = tmp_path / f"o{i}"
+    got = read_state_dict(prev)
+    plain = make_policy("safe_merge", {**common, "lambda": 1.0})
+    assert plain.subtract_unmerge and not make_policy("safe_merge", {"iso_alpha": 1.3}).subtract_unmerge
+    for name, b in base.items():
+        if not b.is_floating_point():
+            continue
+        ctx = TensorContext(name, is_embedding="embed" in name)
+        ds = [plain.fold_tensor(b.float(), b.float(), e[name].float() - b.float(), {}, ctx).full_delta() for e in exps]
+        want = b + (1.3 * isotropic(sum(ds)) if _is_matrix(name, b) else 0.5 * sum(ds))
+        torch.testing.assert_close(got[name], want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(StateError, match="replay"):
+        engine.unmerge(tmp_path / "s", "e0", "subtract", out=tmp_path / "u")
+    assert PolicyConfig(name="safe_merge", params={"iso_alpha": 1.3}).unmerge_mode == "replay"
+    assert PolicyConfig(name="safe_merge").unmerge_mode == "subtract"

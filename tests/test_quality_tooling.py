@@ -147,6 +147,15 @@ def test_lpft_rule_and_variants_tuned_with_their_parent():
     assert got["dop"]["alpha"] == got["dop+lines"]["alpha"] == 0.9 and got["dop+lines"]["lines_alpha"] == 0.5
     assert got["opcm"]["alpha"] == 0.7 and got["opcm+lines"]["alpha"] == 0.5  # set explicitly: kept
 
+    # a variant with a grid of its own: the parent's tuned value, then its own
+    rows = [("safe_merge", "", {"lambda": 0.3}), ("safe_merge", "+iso", {"lambda": 0.3, "iso_alpha": 2.0})]
+    tuned = {"safe_merge": {"param": "lambda", "chosen": 0.5}, "safe_merge+iso": {"param": "iso_alpha", "chosen": 2.5}}
+    got = {p + v: params for p, v, params in quality.tuned_rows(rows, tuned, {})}
+    assert got["safe_merge"] == {"lambda": 0.5} and got["safe_merge+iso"] == {"lambda": 0.5, "iso_alpha": 2.5}
+    got = {p + v: params for p, v, params in quality.tuned_rows(rows, tuned, {"safe_merge+iso": {"iso_alpha": 3.0}})}
+    assert got["safe_merge+iso"] == {"lambda": 0.5, "iso_alpha": 2.0}  # set explicitly (applied by apply_overrides)
+    assert all("+" not in k or k in {p + v for p, v, _ in quality.POLICIES} for k in quality.GRID)
+
 
 def test_gains_table_compares_each_variant_with_its_parent_on_shared_orders(tmp_path):
     doc = _doc()
@@ -215,3 +224,8 @@ def test_a_changed_grid_is_tuned_again_unless_runs_used_the_old_value():
     assert quality.stale_grid(entry, [0.5, 0.9, 1.0], "dop", [{"policy": "opcm"}])
     with pytest.raises(S.BenchInputError, match="dop: GRID changed"):
         quality.stale_grid(entry, [0.5, 0.9, 1.0], "dop", [{"policy": "dop"}])
+    # a variant's own grid: only that row's runs pin it
+    runs = [{"policy": "safe_merge", "variant": ""}]
+    assert quality.stale_grid(entry, [0.5, 1.0], "safe_merge", runs, "+iso")
+    with pytest.raises(S.BenchInputError, match="GRID changed"):
+        quality.stale_grid(entry, [0.5, 1.0], "safe_merge", runs + [{"policy": "safe_merge", "variant": "+iso"}], "+iso")

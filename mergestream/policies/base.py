@@ -93,8 +93,9 @@ class Policy:
     contributions_in_state: ClassVar[bool] = False
     #: False when ``subtract`` unmerge cannot give a correct state (the policy's state folds the
     #: experts together irreversibly, e.g. Iso-C's running sum): unmerge then refuses ``subtract``
-    #: and names ``replay``.
-    subtract_unmerge: ClassVar[bool] = True
+    #: and names ``replay``. A class default that an instance may narrow by its parameters
+    #: (SAFE-Merge with ``iso_alpha``); ask an instance.
+    subtract_unmerge: bool = True
 
     def __init__(self, params: dict[str, Any] | PolicyParams | None = None):
         if isinstance(params, PolicyParams):

@@ -31,8 +31,6 @@ experts from their raw task vectors and gives the "never merged" model byte for 
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import torch
 from pydantic import Field
 
@@ -65,7 +63,7 @@ class IsoC(Policy):
     name = "iso_c"
     Params = IsoCParams
     #: the running sum cannot drop one expert's τ (see the module docstring): replay only
-    subtract_unmerge: ClassVar[bool] = False
+    subtract_unmerge = False
 
     def fold_tensor(self, base: Tensor, backbone: Tensor, tau: Tensor, state: TensorState,
                     ctx: TensorContext) -> TensorFold:

@@ -16,6 +16,12 @@ Optional (``project_rank`` r > 0; off by default, our addition after OPCM, Tang 
 at later folds τ is first replaced by τ' = τ − U_r U_rᵀ τ V_r V_rᵀ, with U_r, V_r the top-r singular
 vectors of Δ_{t−1}, and steps 2-7 run on τ' (the mask, the risk and the recovery target).
 
+Optional (``iso_alpha`` α > 0; off by default, our composition with Iso-C, Marczak et al. ICML
+2025 §4.1, :mod:`.iso_c`): instead of adding λ·D, each 2-D weight keeps the running sum of the folds'
+D in its state and the backbone becomes θ₀ + α·σ̄ U Vᵀ of that sum (its spectrum flattened to the mean
+singular value), so the risk-masked, recovered updates are merged isotropically. Subtract-unmerge is
+then refused (the sum cannot drop one D): use replay.
+
 Tensors that are not 2-D, 2-D tensors with min(shape) < 2k, and embedding matrices: magnitude mask
 with the same ρ, no recovery (our choice, METHODS.md). Randomised SVD (``torch.svd_lowrank``,
 Halko et al. 2011) computes the top singular vectors; exact SVD below 512 columns — our choice.
@@ -29,6 +35,7 @@ import torch
 from pydantic import Field
 
 from .base import Policy, PolicyParams, Tensor, TensorContext, TensorFold, TensorState
+from .iso_c import isotropic, state_dtype
 from .masks import magnitude_mask
 
 # torch marks sparse CSR as beta and says so on the first CSR tensor; the recovery depends only on
@@ -201,6 +208,8 @@ class SafeMergeParams(PolicyParams):
     risk_mask: bool = Field(True, description="False: plain magnitude mask (the ablation row)")
     project_rank: int = Field(0, ge=0, description="later folds: first project τ off the top-r singular block of "
                                                    "Δ_{t−1} (OPCM-style; 0 = off)")
+    iso_alpha: float = Field(0.0, ge=0, description="> 0: merge the running sum of the folds' D isotropically "
+                                                    "(Iso-C) with this α instead of adding λ·D (0 = off)")
 
 
 class SafeMerge(Policy):
@@ -208,6 +217,10 @@ class SafeMerge(Policy):
 
     name = "safe_merge"
     Params = SafeMergeParams
+
+    def __init__(self, params=None):
+        super().__init__(params)
+        self.subtract_unmerge = self.params.iso_alpha == 0  # the isotropic sum cannot drop one fold
 
     def fold_tensor(self, base: Tensor, backbone: Tensor, tau: Tensor, state: TensorState,
                     ctx: TensorContext) -> TensorFold:
@@ -236,4 +249,9 @@ class SafeMerge(Policy):
         stats = {"kept": float(mask.sum())}
         if losses:
             stats.update(recovery_loss_first=losses[0], recovery_loss_last=losses[-1])
+        if p.iso_alpha > 0:  # θ_t = θ₀ + α·iso(Σ D): Δ_t = α σ̄ U Vᵀ − (θ_{t−1} − θ₀)
+            total = d if "sum" not in state else d.add_(state["sum"].to(torch.float32))
+            kept = total.to(state_dtype(ctx.dtype))
+            merged = isotropic(kept.to(torch.float32)).mul_(p.iso_alpha)
+            return TensorFold(merged.sub_(backbone).add_(base), {**new_state, "sum": kept}, stats)
         return TensorFold(d.mul_(p.lam), new_state, stats)
