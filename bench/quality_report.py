@@ -222,13 +222,21 @@ def plot(doc: dict[str, Any], out: Path) -> list[str]:
     return files
 
 
+#: new methods that are a policy of their own, compared with the policy they extend (Iso-C is task
+#: arithmetic with each weight matrix's summed task vectors made isotropic)
+METHOD_BASELINES = {"iso_c": "task_arithmetic"}
+
+
 def gains_table(runs: list[dict[str, Any]]) -> list[str]:
-    """quality.md lines: each variant (``+lines``, ``+ri``, ...) against its parent policy on the
-    orders both ran (means over those orders), with both rows' seconds per fold."""
+    """quality.md lines: each variant (``+lines``, ``+ri``, ...) against its parent policy, and each
+    policy of :data:`METHOD_BASELINES` against the policy it extends, on the orders both ran (means
+    over those orders), with both rows' seconds per fold."""
     by: dict[tuple[str, Any], dict[str, Any]] = {(label(r), r["order_seed"]): r for r in runs}
     out = []
-    for name in dict.fromkeys(label(r) for r in runs if r["variant"]):
+    names = [label(r) for r in runs if r["variant"] or r["policy"] in METHOD_BASELINES]
+    for name in dict.fromkeys(names):
         parent = next(r["policy"] for r in runs if label(r) == name)
+        parent = METHOD_BASELINES.get(name, parent)
         seeds = [s for (n, s) in by if n == name and (parent, s) in by]
         if not seeds:
             continue

@@ -170,6 +170,15 @@ def test_gains_table_compares_each_variant_with_its_parent_on_shared_orders(tmp_
     R.save_outputs(doc, tmp_path, lambda d, o: [])
     md = (tmp_path / "quality.md").read_text()
     assert "| dop+lines | dop | 1 | +1.5 | +2.0 | +0.0 | +0.0 | 2.0 | 1.0 |" in md
+    # a new method that is a policy of its own is compared with the policy it extends
+    ta, iso = json.loads(json.dumps(base)), json.loads(json.dumps(base))
+    ta.update(policy="task_arithmetic", params={"lambda": 0.2})
+    iso.update(policy="iso_c", params={"alpha": 2.0})
+    iso["final"].update(H=81.0, fold_seconds_mean=3.0)
+    doc["runs"] += [ta, iso]
+    R.save_outputs(doc, tmp_path, lambda d, o: [])
+    md = (tmp_path / "quality.md").read_text()
+    assert "| iso_c | task_arithmetic | 1 | +2.0 | +0.0 | +0.0 | +0.0 | 3.0 | 1.0 |" in md
 
 
 def test_steps_curve_rows_are_safe_merge_with_those_steps_and_bad_values_fail_early():
