@@ -602,10 +602,12 @@ def run_mergestream(ctx: SizeContext, policy: str, sets: dict[str, str], note: s
     env = ctx.args.mergestream_env
     if ray is not None:
         env = {**(env or os.environ), "RAY_AUTH_MODE": "disabled"}
+    state_before = tree_bytes(state) if state.exists() else 0  # a later fold: the first fold's state is there
     m = run_measured(cmd, ctx.logs, tag, env=env, timeout=ctx.args.timeout)
-    row.written_bytes = tree_bytes(state, out)
+    row.written_bytes = tree_bytes(state, out) - state_before
     row.extra["output_bytes"] = tree_bytes(out)
     row.extra["state_bytes"] = tree_bytes(state)
+    row.extra["state_bytes_before"] = state_before
     row.extra["command"] = cmd
     row.extra["mergestream_source"] = ctx.args.mergestream_source
     if m.returncode != 0 or m.timed_out:
@@ -812,7 +814,7 @@ class Results:
                 "size (min/median/max in extra.spread, every run in extra.samples)",
                 "page cache warm for every row: inputs are read once before each timed run",
                 "mergestream fsyncs its output and state; mergekit does not",
-                "written GB: bytes left on disk by the run (output + policy state folder)",
+                "written GB: bytes the run added on disk (output + policy state folder; a later fold: less the state the first fold left)",
                 "CPU s: user + system seconds of the measured process tree",
                 "other load: average cores kept busy by everything else during the run (other "
                 "processes, kernel writeback); the machine may be shared, and before each run the "
