@@ -47,6 +47,7 @@ POLICY_PARAMS = {
     "opcm": {},
     "magmax": {},
     "dop": {},
+    "iso_c": {},
 }
 NO_TORCH = "import sys; sys.modules['torch'] = None; from mergestream.cli_patch import main; main()"
 
