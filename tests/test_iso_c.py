@@ -30,6 +30,13 @@ def test_isotropic_flattens_the_spectrum_and_keeps_the_singular_vectors():
     u, _, vh = torch.linalg.svd(m.double(), full_matrices=False)
     torch.testing.assert_close(iso.double(), s.mean() * u @ vh, rtol=1e-5, atol=1e-7)
     assert torch.count_nonzero(isotropic(torch.zeros(4, 3))) == 0
+    torch.testing.assert_close(isotropic(m.T), iso.T)  # wide matrices: the other Gram matrix
+    # a rank-2 matrix (e.g. a sum of LoRA updates) stays rank 2: σ̄ over its two values, no direction added
+    low = torch.randn(12, 2, generator=g) @ torch.randn(2, 7, generator=g)
+    sl = torch.linalg.svdvals(low.double())[:2]
+    si = torch.linalg.svdvals(isotropic(low).double())
+    torch.testing.assert_close(si[:2], torch.full((2,), float(sl.mean()), dtype=torch.float64), rtol=1e-5, atol=1e-7)
+    assert float(si[2:].abs().max()) < 1e-5 * float(sl.mean())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
