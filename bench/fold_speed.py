@@ -1160,7 +1160,7 @@ def main(argv: list[str] | None = None) -> int:
                 plan.append((row_key(ctx.size, "mergestream", policy + " (later fold)", ""),
                              lambda p=policy, s=sets: run_mergestream(ctx, p, s, later=True), args.repeat))
         if not args.no_mergekit and not ta_only:
-            for method in MERGEKIT_METHODS:
+            for method in (m for m in MERGEKIT_METHODS if m in args.policies):  # the peers of the rows asked for
                 plan.append((row_key(ctx.size, "mergekit", method, ""),
                              lambda m=method: run_mergekit(ctx, m, mk_exe, mk_why), args.repeat))
         return plan
