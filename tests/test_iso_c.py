@@ -152,5 +152,18 @@ def test_safe_merge_with_iso_alpha_merges_its_masked_updates_isotropically(tmp_p
         torch.testing.assert_close(got[name], want, rtol=1e-5, atol=1e-6)
     with pytest.raises(StateError, match="replay"):
         engine.unmerge(tmp_path / "s", "e0", "subtract", out=tmp_path / "u")
+    # matrices too small for the risk mask and recovery (min(shape) < 2k, SAFE's default k 64) are
+    # still merged isotropically: D = M ⊙ τ with the magnitude mask
+    prev = None
+    for i, e in enumerate(paths[:2]):
+        engine.fold(bpath, prev, e, "safe_merge", {"rho": 0.3, "lambda": 0.5, "iso_alpha": 1.3},
+                    state_dir=tmp_path / "s-small", out=tmp_path / f"small{i}")
+        prev = tmp_path / f"small{i}"
+    small = read_state_dict(prev)
+    mag = make_policy("safe_merge", {"rho": 0.3, "lambda": 1.0})
+    for name in ("layer.0.attn.weight", "layer.0.mlp.weight"):
+        b = base[name]
+        ds = [mag.fold_tensor(b, b, e[name] - b, {}, TensorContext(name)).full_delta() for e in exps[:2]]
+        torch.testing.assert_close(small[name], b + 1.3 * isotropic(sum(ds)), rtol=1e-5, atol=1e-6)
     assert PolicyConfig(name="safe_merge", params={"iso_alpha": 1.3}).unmerge_mode == "replay"
     assert PolicyConfig(name="safe_merge").unmerge_mode == "subtract"

@@ -19,8 +19,10 @@ vectors of Δ_{t−1}, and steps 2-7 run on τ' (the mask, the risk and the reco
 Optional (``iso_alpha`` α > 0; off by default, our composition with Iso-C, Marczak et al. ICML
 2025 §4.1, :mod:`.iso_c`): instead of adding λ·D, each 2-D weight keeps the running sum of the folds'
 D in its state and the backbone becomes θ₀ + α·σ̄ U Vᵀ of that sum (its spectrum flattened to the mean
-singular value), so the risk-masked, recovered updates are merged isotropically. Subtract-unmerge is
-then refused (the sum cannot drop one D): use replay.
+singular value), so the risk-masked, recovered updates are merged isotropically; this applies to
+every 2-D weight that is not an embedding, also those too small for the risk mask and recovery
+(there D = M ⊙ τ with the magnitude mask). Subtract-unmerge is then refused (the sum cannot drop one
+D): use replay.
 
 Tensors that are not 2-D, 2-D tensors with min(shape) < 2k, and embedding matrices: magnitude mask
 with the same ρ, no recovery (our choice, METHODS.md). Randomised SVD (``torch.svd_lowrank``,
@@ -228,7 +230,10 @@ class SafeMerge(Policy):
         structured = tau.ndim == 2 and not ctx.is_embedding and min(tau.shape) >= 2 * p.k
         if not structured:
             mask = magnitude_mask(tau.abs(), p.rho)
-            return TensorFold(tau.mul_(mask).mul_(p.lam), {}, {"kept": float(mask.sum())})
+            stats = {"kept": float(mask.sum())}
+            if p.iso_alpha > 0 and tau.ndim == 2 and min(tau.shape) >= 2 and not ctx.is_embedding:
+                return self._isotropic(tau.mul_(mask), base, backbone, state, ctx, stats)  # D = M ⊙ τ
+            return TensorFold(tau.mul_(mask).mul_(p.lam), {}, stats)
         new_state = state
         delta_prev = backbone - base if ctx.n_previous > 0 else None
         if p.project_rank > 0 and delta_prev is not None and bool(delta_prev.any()):
@@ -249,9 +254,15 @@ class SafeMerge(Policy):
         stats = {"kept": float(mask.sum())}
         if losses:
             stats.update(recovery_loss_first=losses[0], recovery_loss_last=losses[-1])
-        if p.iso_alpha > 0:  # θ_t = θ₀ + α·iso(Σ D): Δ_t = α σ̄ U Vᵀ − (θ_{t−1} − θ₀)
-            total = d if "sum" not in state else d.add_(state["sum"].to(torch.float32))
-            kept = total.to(state_dtype(ctx.dtype))
-            merged = isotropic(kept.to(torch.float32)).mul_(p.iso_alpha)
-            return TensorFold(merged.sub_(backbone).add_(base), {**new_state, "sum": kept}, stats)
+        if p.iso_alpha > 0:
+            return self._isotropic(d, base, backbone, new_state, ctx, stats)
         return TensorFold(d.mul_(p.lam), new_state, stats)
+
+    def _isotropic(self, d: Tensor, base: Tensor, backbone: Tensor, state: TensorState, ctx: TensorContext,
+                   stats: dict[str, float]) -> TensorFold:
+        """θ_t = θ₀ + α·iso(Σ D): Δ_t = α σ̄ U Vᵀ − (θ_{t−1} − θ₀), the running Σ D in ``state["sum"]``
+        (the checkpoint's width); ``d`` (float32, m × n) is this fold's D."""
+        total = d if "sum" not in state else d.add_(state["sum"].to(torch.float32))
+        kept = total.to(state_dtype(ctx.dtype))
+        merged = isotropic(kept.to(torch.float32)).mul_(self.params.iso_alpha)
+        return TensorFold(merged.sub_(backbone).add_(base), {**state, "sum": kept}, stats)
