@@ -85,7 +85,8 @@ def write_md(doc: dict[str, Any], path: Path) -> None:
     for pol, t in (p.get("tuning") or {}).items():
         lines.append(f"- tuned {pol}: {t['param']}={t['chosen']} from {t['grid']}"
                      + (" (**at the grid's edge**: widen the grid)" if t.get("at_grid_edge") else "")
-                     + "; its variants use it too.")
+                     + ("; that row only, on top of its parent's tuned value." if "+" in pol
+                        else "; its variants use it too."))
     lp = p.get("lpft") or {}
     if lp.get("tasks"):
         lines.append(f"- LP-FT ({lp.get('rule', '')}): "
