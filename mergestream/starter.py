@@ -137,7 +137,7 @@ def write_starter(folder: str | os.PathLike, base: str, policy: str | None = Non
     mode = "subtract" if make_policy(policy or RECOMMENDED_POLICY, params).subtract_unmerge else "replay"
     path.write_text(STARTER.format(base=str(Path(base).resolve()), policy=policy or RECOMMENDED_POLICY,
                                    params=yaml.safe_dump(params, default_flow_style=True).strip(),
-                                   unmerge_mode=mode, pad=" " * max(1, 10 - len(mode)),
+                                   unmerge_mode=mode, pad=" " * max(1, 16 - len(mode)),  # the comments line up
                                    policies=_policy_lines()))
     load_config(path)  # the starter must always validate
     return path
