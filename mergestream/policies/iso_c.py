@@ -81,6 +81,29 @@ def state_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
 
 
+def merges_isotropically(t: Tensor, ctx: TensorContext) -> bool:
+    """Whether a tensor takes the isotropic merge: a 2-D weight with both sides ≥ 2, not an embedding."""
+    return t.ndim == 2 and min(t.shape) >= 2 and not ctx.is_embedding
+
+
+def isotropic_fold(d: Tensor, base: Tensor, backbone: Tensor, state: TensorState, ctx: TensorContext,
+                   alpha: float) -> tuple[Tensor, Tensor]:
+    """One fold of the running isotropic merge θ_t = θ₀ + α·iso(Σ d_i) (see the module docstring).
+
+    Args:
+        d: this fold's update to sum (float32, m × n; Iso-C: τ, SAFE-Merge: its D); used in place.
+        base / backbone: θ₀, θ_{t−1} (float32, m × n). state: ``sum`` from the previous fold, if any.
+        alpha: α.
+
+    Returns:
+        Δ_t = α σ̄ U_r V_rᵀ − (θ_{t−1} − θ₀) (float32) and the new running sum (:func:`state_dtype`).
+    """
+    total = d if "sum" not in state else d.add_(state["sum"].to(torch.float32))
+    kept = total.to(state_dtype(ctx.dtype))
+    merged = isotropic(kept.to(torch.float32)).mul_(alpha)
+    return merged.sub_(backbone).add_(base), kept
+
+
 class IsoC(Policy):
     """Iso-C (Marczak et al., ICML 2025); see the module docstring."""
 
@@ -101,10 +124,7 @@ class IsoC(Policy):
         Returns:
             :class:`TensorFold` with Δ_t (float32, S) and the new ``sum`` for 2-D weights.
         """
-        if tau.ndim != 2 or min(tau.shape) < 2 or ctx.is_embedding:
+        if not merges_isotropically(tau, ctx):
             return TensorFold(tau.mul_(self.params.lam))
-        total = tau if "sum" not in state else tau.add_(state["sum"].to(torch.float32))
-        kept = total.to(state_dtype(ctx.dtype))
-        merged = isotropic(kept.to(torch.float32)).mul_(self.params.alpha)
-        delta = merged.sub_(backbone).add_(base)  # α σ̄ U Vᵀ − (θ_{t−1} − θ₀)
+        delta, kept = isotropic_fold(tau, base, backbone, state, ctx, self.params.alpha)
         return TensorFold(delta, {"sum": kept})

@@ -37,7 +37,7 @@ import torch
 from pydantic import Field
 
 from .base import Policy, PolicyParams, Tensor, TensorContext, TensorFold, TensorState
-from .iso_c import isotropic, state_dtype
+from .iso_c import isotropic_fold, merges_isotropically
 from .masks import magnitude_mask
 
 # torch marks sparse CSR as beta and says so on the first CSR tensor; the recovery depends only on
@@ -231,8 +231,9 @@ class SafeMerge(Policy):
         if not structured:
             mask = magnitude_mask(tau.abs(), p.rho)
             stats = {"kept": float(mask.sum())}
-            if p.iso_alpha > 0 and tau.ndim == 2 and min(tau.shape) >= 2 and not ctx.is_embedding:
-                return self._isotropic(tau.mul_(mask), base, backbone, state, ctx, stats)  # D = M ⊙ τ
+            if p.iso_alpha > 0 and merges_isotropically(tau, ctx):  # D = M ⊙ τ
+                delta, kept = isotropic_fold(tau.mul_(mask), base, backbone, state, ctx, p.iso_alpha)
+                return TensorFold(delta, {**state, "sum": kept}, stats)
             return TensorFold(tau.mul_(mask).mul_(p.lam), {}, stats)
         new_state = state
         delta_prev = backbone - base if ctx.n_previous > 0 else None
@@ -255,14 +256,6 @@ class SafeMerge(Policy):
         if losses:
             stats.update(recovery_loss_first=losses[0], recovery_loss_last=losses[-1])
         if p.iso_alpha > 0:
-            return self._isotropic(d, base, backbone, new_state, ctx, stats)
+            delta, kept = isotropic_fold(d, base, backbone, new_state, ctx, p.iso_alpha)
+            return TensorFold(delta, {**new_state, "sum": kept}, stats)
         return TensorFold(d.mul_(p.lam), new_state, stats)
-
-    def _isotropic(self, d: Tensor, base: Tensor, backbone: Tensor, state: TensorState, ctx: TensorContext,
-                   stats: dict[str, float]) -> TensorFold:
-        """θ_t = θ₀ + α·iso(Σ D): Δ_t = α σ̄ U Vᵀ − (θ_{t−1} − θ₀), the running Σ D in ``state["sum"]``
-        (the checkpoint's width); ``d`` (float32, m × n) is this fold's D."""
-        total = d if "sum" not in state else d.add_(state["sum"].to(torch.float32))
-        kept = total.to(state_dtype(ctx.dtype))
-        merged = isotropic(kept.to(torch.float32)).mul_(self.params.iso_alpha)
-        return TensorFold(merged.sub_(backbone).add_(base), {**state, "sum": kept}, stats)
