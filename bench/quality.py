@@ -124,9 +124,9 @@ POLICIES: list[tuple[str, str, dict[str, Any]]] = [
 GRID = {"task_arithmetic": ("lambda", [0.1, 0.15, 0.2, 0.3, 0.5]), "ties": ("lambda", [0.5, 0.7, 1.0, 1.3]),
         "safe_merge": ("lambda", [0.2, 0.3, 0.5, 0.7]), "mdm_oc": ("alpha", [0.1, 0.15, 0.2, 0.3, 0.5]),
         "opcm": ("alpha", [0.3, 0.5, 0.7, 0.9]), "magmax": ("lambda", [0.15, 0.2, 0.3, 0.5, 0.7]),
-        "dop": ("alpha", [0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 1.0]),
+        "dop": ("alpha", [0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 1.0]),  # 0.95 won at the old edge: up to α's bound
         "iso_c": ("alpha", [1.0, 1.5, 2.0, 2.7, 3.5]),
-        "safe_merge+iso": ("iso_alpha", [1.5, 2.0, 2.5, 3.0, 4.5])}  # a variant's own grid: tuned after its parent  # 0.95 won at the old edge: up to α's bound
+        "safe_merge+iso": ("iso_alpha", [1.5, 2.0, 2.5, 3.0, 4.5])}  # a variant's own grid: tuned after its parent
 UAD_POLICIES = ("task_arithmetic", "mdm_oc")
 
 
