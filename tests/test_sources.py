@@ -213,6 +213,41 @@ def test_file_written_slowly_in_chunks_is_emitted_once_after_it_is_complete(inbo
     assert got.times[0] >= done
 
 
+@pytest.mark.parametrize("layout", ["file", "folder"])
+def test_writer_that_goes_on_while_the_candidate_is_checked_is_emitted_once(inbox, started, monkeypatch, layout):
+    """A writer stalled past the settle time (here: a half-written expert that looks at rest) and
+    going on while the source runs its completeness check: the candidate must not be emitted with
+    the signature it had before the check (it would be emitted again once the change is seen),
+    but once, after it settled whole. Regression: CI saw a folder expert emitted twice under load."""
+    from mergestream.daemon.sources import folder as folder_module
+
+    data = st_bytes(3, 128)
+    if layout == "file":
+        target = weights = inbox / "stalled.safetensors"
+    else:
+        target = inbox / "stalled-hf"
+        target.mkdir()
+        weights = target / "model.safetensors"
+    weights.write_bytes(data[: len(data) // 2])
+    backdate(target)
+    real, finished = folder_module.expert_complete, []
+
+    def writer_resumes_during_the_check(path):
+        if not finished:  # the stalled writer finishes exactly while the source looks at the entry
+            weights.write_bytes(data)
+            finished.append(time.monotonic())
+        return real(path)
+
+    monkeypatch.setattr(folder_module, "expert_complete", writer_resumes_during_the_check)
+    got = Collector()
+    started(FolderSource(inbox, got, settle_seconds=SETTLE))
+    got.wait_for(1, timeout=10)
+    time.sleep(4 * SETTLE)  # a second emission would show up here
+    assert finished and got.uris == [str(target)]
+    assert got.times[0] - finished[0] >= SETTLE * 0.9  # emitted after it settled in its final form
+    assert expert_complete(target)
+
+
 def test_folder_with_ready_marker_is_emitted_without_waiting_to_settle(inbox, started):
     got = Collector()
     started(FolderSource(inbox, got, settle_seconds=60))  # only the marker can make it ready

@@ -21,7 +21,10 @@ A candidate is ready when
     weight file, random bytes, a header that is all there and invalid): it is emitted so that the
     daemon rejects it with its reason and ``status`` shows it, instead of it waiting unseen.
 
-After an expert was emitted it is not emitted again unless its files change (size or mtime of any
+The signature is taken again after the completeness check; if the files changed meanwhile (a
+writer stalled past the settle time and then went on), the candidate waits to settle anew instead of
+being emitted with a signature it no longer has, which would emit it a second time once the change
+is seen. After an expert was emitted it is not emitted again unless its files change (size or mtime of any
 file) and become ready again, or it is deleted and arrives anew. A copy of the same content under
 another name is another candidate (emitted; the ledger dedups by content hash).
 
@@ -431,6 +434,10 @@ class FolderSource(Source):
                 # handed on so the daemon rejects it with its reason, visible in `status`
                 log.warning("inbox entry can never be an expert (%s) path=%s", hopeless, path)
                 why = "settled, never an expert"
+            after = file_signature(path)
+            if after != sig:  # written to while it was checked: what was checked is not what is there
+                cand.signature, cand.since = after, now
+                return None
         ev = ExpertReady(source=self.name, uri=str(path), expert_id=default_expert_id(path),
                          registry_key=None, metadata={})
         try:
