@@ -17,9 +17,29 @@ byte for byte. For an earlier fold the listed entries are not used, and the resu
 unit in the last place of the storage dtype of θ − r. Files of format 1 (a float32 Δ per tensor,
 no exception lists) are still read.
 
+Format 3, for a :meth:`~mergestream.policies.Policy.linear_scale` policy (Task Arithmetic) folding a
+dense expert: Δ = λ·τ is a function of the expert and θ₀ alone, so the file stores **no** residual
+tensor, only λ (metadata ``mergestream.lambda``) and what rounding lost. With d = λ·(e − θ₀)
+recomputed exactly as the fold computed it (:func:`task_vector_chunk`) and c = rd(θ_t − d)
+(:func:`subtract_delta`), c is θ_{t−1} except where θ_{t−1} + d fell on (or, after the float32 sum,
+next to) a rounding tie: θ_t then has two preimages, and θ_{t−1} is c's neighbour on the far side of
+θ_t − d. Experts and θ₀ share the storage grid, so such ties are common (λ = 0.5: a quarter to
+half of the entries). Per tensor the file holds
+
+* ``<name>::exact_ties`` (uint8, one bit per element, ``numpy.packbits`` order): θ_{t−1} is that
+  neighbour of c (1/16 of a bf16 tensor's size, 1/32 of a float32 one's);
+* ``<name>::exact_index`` / ``<name>::exact_value``: the rare entries neither rule gives (binade
+  crossings), with θ_{t−1}'s value.
+
+Subtract reads the kept expert again (its content hash is checked before anything is published)
+and, for the most recent fold, applies both (:func:`recover_previous`). This saves writing the
+model's size per fold: on the 1 GiB bf16 benchmark a later Task Arithmetic fold went from 4.8 to
+3.1 s with no residual written at all (``bench/fold_speed.py``; README, "Unmerge").
+
 Fold paths: :meth:`ResidualWriter.add` for whole tensors (computed in chunks); :func:`fold_linear` folds a
-:meth:`~mergestream.policies.Policy.linear_scale` policy (Task Arithmetic) in chunks of
-:data:`~mergestream.stream.CHUNK_ELEMENTS` elements, computing the residual on the way.
+:meth:`~mergestream.policies.Policy.linear_scale` policy in chunks of
+:data:`~mergestream.stream.CHUNK_ELEMENTS` elements, computing the exception list on the way
+(format 3).
 """
 
 from __future__ import annotations
@@ -43,12 +63,13 @@ from .writers import AppendWriter, tensor_bytes
 
 EXACT_INDEX = "::exact_index"
 EXACT_VALUE = "::exact_value"
+EXACT_TIES = "::exact_ties"
 _INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def is_exception_key(key: str) -> bool:
     """True for the exception-list entries of a residual file (not a tensor's residual)."""
-    return key.endswith((EXACT_INDEX, EXACT_VALUE))
+    return key.endswith((EXACT_INDEX, EXACT_VALUE, EXACT_TIES))
 
 
 def math_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -91,17 +112,127 @@ def subtract(cur_s: torch.Tensor, r: torch.Tensor, index: torch.Tensor | None = 
     return out
 
 
+def task_vector_chunk(ec: torch.Tensor, b_raw: torch.Tensor, lam: float, dev: torch.device
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """d = λ·(e − θ₀) of one flat chunk, the way a linear fold computes it (one home, so that
+    subtract recomputes the very same float values).
+
+    Args:
+        ec: the expert's chunk as stored (any float dtype, any device). b_raw: θ₀'s chunk as stored
+            (same dtype and length). lam: λ. dev: the math device.
+
+    Returns:
+        ``(d, θ₀)`` in :func:`math_dtype` of the storage dtype, on ``dev``: per-thread buffers
+        (slots ``x`` and ``b``), valid until this thread asks for them again.
+    """
+    k, m = ec.numel(), math_dtype(b_raw.dtype)
+    x = scratch("x", k, m, dev)
+    bf = scratch("b", k, m, dev).copy_(b_raw)
+    x.copy_(ec)  # widened into a buffer: a mixed-dtype op would allocate a temporary per call
+    x.sub_(bf)
+    if lam != 1.0:
+        x.mul_(lam)  # λτ rounded, then added: the same two roundings as the whole-tensor path
+    return x, bf
+
+
+def subtract_delta(theta: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """rd(θ − d) in θ's storage dtype, the subtraction itself exact before the one rounding.
+
+    ``θ − d`` runs in float32 for bf16/fp16 checkpoints (θ has 8 or 11 significant bits, d 24:
+    their difference rounds to θ's dtype as the exact one does except in rare double-rounding
+    ties) and in float64 for float32/float64 ones, where float32 math would round twice.
+
+    Args:
+        theta: a flat chunk of θ (storage dtype, on d's device). d: the same chunk of Δ (float32 or
+            float64).
+
+    Returns:
+        A per-thread buffer (slot ``sd_out``) in θ's dtype.
+    """
+    k, dev = theta.numel(), d.device
+    wide = torch.float64 if theta.dtype in (torch.float32, torch.float64) else torch.float32
+    a = scratch("sd_a", k, wide, dev).copy_(theta)
+    a.sub_(d if d.dtype == wide else scratch("sd_b", k, wide, dev).copy_(d))
+    return scratch("sd_out", k, theta.dtype, dev).copy_(a)
+
+
+def _across(c: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """c's neighbours in its dtype at flat ``idx``, each on the side of θ − d (slot ``sd_a``, as
+    :func:`subtract_delta` left it) opposite c: the other preimage of a rounding tie."""
+    w = scratch("sd_a", c.numel(), torch.float64 if c.dtype in (torch.float32, torch.float64) else torch.float32,
+                c.device)[idx]
+    cv = c.reshape(-1)[idx]
+    up = torch.gt(w, cv.to(w.dtype))
+    inf = torch.tensor(float("inf"), dtype=c.dtype, device=c.device)
+    return torch.nextafter(cv, torch.where(up, inf, -inf))
+
+
+def recover_previous(theta: torch.Tensor, d: torch.Tensor, ties: torch.Tensor | None) -> torch.Tensor:
+    """θ_{t−1} of one flat chunk from θ_t and d (format 3; exception lists applied afterwards).
+
+    Args:
+        theta: θ_t's chunk (storage dtype). d: Δ's chunk (math dtype). ties: the chunk's tie bits
+            unpacked (bool, numpy, one per element), or None for an earlier fold (then the result is
+            rd(θ − d) only).
+
+    Returns:
+        A per-thread buffer (slot ``sd_out``) in θ's dtype.
+    """
+    c = subtract_delta(theta, d)
+    if ties is not None:
+        idx = torch.from_numpy(np.flatnonzero(ties)).to(c.device)
+        if idx.numel():
+            c.view(-1)[idx] = _across(c, idx)
+    return c
+
+
 class ResidualWriter:
     """Write one fold's residual file (see the module docstring); threads may add concurrently.
 
     Args:
         path: the file (a ``*.tmp`` name from :meth:`mergestream.state.StateDir.new_file`).
         metas: θ₀'s tensors (to size the header). expert_id: stored in the metadata.
+        recompute_lambda: λ of a linear fold (format 3: only exception lists, see the module
+            docstring; :func:`fold_linear` calls :meth:`linear_exceptions`), or None (format 2).
     """
 
-    def __init__(self, path: Path, metas: list[TensorMeta], expert_id: str):
-        self._w = AppendWriter(path, {"mergestream.expert": expert_id, "mergestream.residual_format": "2"},
-                               header_bytes=header_room(metas, 3))
+    def __init__(self, path: Path, metas: list[TensorMeta], expert_id: str, recompute_lambda: float | None = None):
+        meta = {"mergestream.expert": expert_id, "mergestream.residual_format": "2"}
+        if recompute_lambda is not None:
+            meta.update({"mergestream.residual_format": "3", "mergestream.lambda": repr(float(recompute_lambda))})
+        self._w = AppendWriter(path, meta, header_bytes=header_room(metas, 3))
+
+    def reserve_ties(self, meta: TensorMeta) -> int:
+        """Plan ``meta``'s tie bitmask (format 3, filled by :meth:`linear_exceptions`); its data start."""
+        return self._w.reserve(meta.name + EXACT_TIES, ((meta.numel + 7) // 8,), torch.uint8)
+
+    def linear_exceptions(self, ties_start: int, elem_offset: int, out_s: torch.Tensor, d: torch.Tensor,
+                          prev_s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Format 3 for one flat chunk: write its tie bits, return the entries no rule recovers.
+
+        Args:
+            ties_start: the tensor's bitmask data start (:meth:`reserve_ties`). elem_offset: the
+                chunk's first element in the tensor (a multiple of 8). out_s: θ_t (storage dtype).
+                d: Δ in the math dtype (:func:`task_vector_chunk`). prev_s: θ_{t−1} (storage dtype).
+
+        Returns:
+            (flat indices in the whole tensor, θ_{t−1} values) where neither c = rd(θ_t − d) nor its
+            neighbour across θ_t − d is θ_{t−1}, or None.
+        """
+        prev_s = prev_s.to(out_s.device)
+        c = subtract_delta(out_s, d)
+        idx = differing_bits(c, prev_s)
+        flags = np.zeros(c.numel(), dtype=bool)
+        rest = None
+        if idx.numel():
+            alt = _across(c, idx)
+            hit = torch.eq(bits(alt), bits(prev_s.reshape(-1)[idx]))
+            flags[idx[hit].cpu().numpy()] = True
+            miss = idx[~hit]
+            if miss.numel():
+                rest = miss.cpu() + elem_offset, prev_s.reshape(-1)[miss].cpu()
+        self._w.write_range(ties_start + elem_offset // 8, np.packbits(flags).tobytes())
+        return rest
 
     def reserve(self, meta: TensorMeta) -> int:
         """Plan ``meta``'s residual (filled by :meth:`chunk`); returns its data start."""
@@ -174,6 +305,17 @@ class ResidualReader:
 
     def __init__(self, path: Path):
         self._ck = open_safetensors_file(path)
+        meta = self._ck.metadata()
+        #: λ of a format-3 file (Δ recomputed from the kept expert), else None
+        self.recompute_lambda = (float(meta["mergestream.lambda"])
+                                 if meta.get("mergestream.residual_format") == "3" else None)
+
+    def linear(self, name: str) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """Format 3: ``(tie bits, index, value)`` of tensor ``name`` (each None when not stored)."""
+        ties = self._ck.get(name + EXACT_TIES) if name + EXACT_TIES in self._ck else None
+        if name + EXACT_INDEX in self._ck:
+            return ties, self._ck.get(name + EXACT_INDEX), self._ck.get(name + EXACT_VALUE)
+        return ties, None, None
 
     def get(self, name: str) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """``(r, index, value)`` of tensor ``name``; ``(None, None, None)`` if nothing was stored."""
@@ -199,7 +341,8 @@ def fold_linear(name: str, e: torch.Tensor, lam: float, base: Checkpoint, backbo
     Args:
         e: the expert's tensor as stored (CPU, fresh memory; overwritten with θ_t).
         lam: λ. base: θ₀. backbone: θ_{t−1}, or None at the first fold (θ_{t−1} = θ₀).
-        contrib: where the applied residual goes (None: not stored).
+        contrib: where the tie bits and exception list go (format 3: ``ResidualWriter(...,
+            recompute_lambda=λ)``; None: nothing stored).
         where: the expert's description for error messages.
 
     Raises:
@@ -213,37 +356,68 @@ def fold_linear(name: str, e: torch.Tensor, lam: float, base: Checkpoint, backbo
     isz = dtype.itemsize
     flat = e.reshape(-1)
     n = flat.numel()
-    start = contrib.reserve(meta) if contrib is not None else 0
+    step = max(8, step - step % 8)  # whole bytes of the tie bitmask per chunk
+    ties_start = contrib.reserve_ties(meta) if contrib is not None else 0
     exceptions = []
     cpu = torch.device("cpu")
     for s in range(0, n, step):
         k = min(step, n - s)
         ec = flat[s:s + k]
-        x = scratch("x", k, m, dev)
         b_raw = base.read_into(name, scratch("base", k * isz, torch.uint8, cpu), s * isz).view(dtype)
-        bf = scratch("b", k, m, dev).copy_(b_raw)
-        x.copy_(ec)  # widened into a buffer: a mixed-dtype op would allocate a temporary per call
-        x.sub_(bf)
+        d, bf = task_vector_chunk(ec, b_raw, lam, dev)
         if backbone is None:
             prev_raw, pf = b_raw, bf
         else:
             prev_raw = backbone.read_into(name, scratch("prev", k * isz, torch.uint8, cpu), s * isz).view(dtype)
             pf = scratch("p", k, m, dev).copy_(prev_raw)
-        if lam != 1.0:
-            x.mul_(lam)  # λτ rounded, then added: the same two roundings as the whole-tensor path
-        x.add_(pf)
-        out_c = scratch("out", k, dtype, dev).copy_(x)
-        x.copy_(out_c)  # θ_t as stored, back in the math dtype
+        y = torch.add(d, pf, out=scratch("y", k, m, dev))
+        out_c = scratch("out", k, dtype, dev).copy_(y)
+        y.copy_(out_c)  # θ_t as stored, back in the math dtype
         # one reduction catches both NaN/Inf in the expert (still intact in ec) and an overflow of the
         # sum or of the cast to the storage dtype; only then is it told apart which it was
-        if not bool(torch.isfinite(x.sum())):
+        if not bool(torch.isfinite(y.sum())):
             check_finite_tensor(name, ec, where)
             raise NonFiniteError(f"tensor {name}: the fold's result is not finite in {dtype} (overflow?); "
                                  "nothing written")
         ec.copy_(out_c)
         if contrib is not None:
-            exc = contrib.chunk(start, s, out_c, x, prev_raw, pf)
+            exc = contrib.linear_exceptions(ties_start, s, out_c, d, prev_raw)
             if exc is not None:
                 exceptions.append(exc)
     if contrib is not None:
         contrib.finish(name, exceptions)
+
+
+def subtract_linear(name: str, cur_s: torch.Tensor, e: torch.Tensor, lam: float, base: Checkpoint,
+                    dev: torch.device, exact: ResidualReader | None = None,
+                    chunk_elements: int | None = None) -> torch.Tensor:
+    """Subtract-unmerge of a format-3 fold for one tensor: rd(θ − λ·(e − θ₀)), in chunks.
+
+    Args:
+        cur_s: θ as stored (CPU, fresh memory: overwritten with the result and returned).
+        e: the fold's expert tensor as stored (same shape). lam: the fold's λ
+            (:attr:`ResidualReader.recompute_lambda`). base: θ₀. dev: the math device.
+        exact: the fold's residual file, only when θ is that fold's output: its tie bits and
+            exception list then give θ_{t−1} byte for byte (:func:`recover_previous`).
+
+    Returns:
+        ``cur_s`` holding the result (θ's dtype and shape).
+    """
+    dtype = cur_s.dtype
+    isz, step = dtype.itemsize, chunk_elements or stream.CHUNK_ELEMENTS
+    step = max(8, step - step % 8)
+    flat, ef = cur_s.reshape(-1), e.reshape(-1)
+    n = flat.numel()
+    ties = index = value = None
+    if exact is not None:
+        ties, index, value = exact.linear(name)
+        ties = np.unpackbits(ties.numpy(), count=n).astype(bool) if ties is not None else np.zeros(n, dtype=bool)
+    cpu = torch.device("cpu")
+    for s in range(0, n, step):
+        k = min(step, n - s)
+        b_raw = base.read_into(name, scratch("base", k * isz, torch.uint8, cpu), s * isz).view(dtype)
+        d, _ = task_vector_chunk(ef[s:s + k], b_raw, lam, dev)
+        flat[s:s + k].copy_(recover_previous(flat[s:s + k].to(dev), d, None if ties is None else ties[s:s + k]))
+    if index is not None and index.numel():
+        flat[index.to(torch.int64)] = value.to(dtype)
+    return cur_s

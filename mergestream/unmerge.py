@@ -18,11 +18,13 @@ import torch
 
 from . import residuals
 from ._alloc import pin_mmap_threshold
-from .checkpoints import DEFAULT_SHARD_BYTES, is_float_dtype
-from .errors import MergestreamError, StateError
+from .checkpoints import DEFAULT_SHARD_BYTES, is_float_dtype, validate_against_base
+from .errors import CorruptCheckpointError, MergestreamError, StateError
+from .expert_readers import DenseExpert, open_expert
 from .folding import fold
 from .inspection import resolve_device
 from .passes import (
+    ExpertLoader,
     FoldReport,
     Stats,
     canonical_order,
@@ -52,7 +54,8 @@ def unmerge(state_dir: str | os.PathLike, expert_id: str, mode: str, *, out: str
 
     Modes:
         ``subtract``: θ − Δ_k with Δ_k the residual fold k actually applied (stored in the
-        checkpoint's dtype; MDM-OC: α_k δ_k⊥ rebuilt from the state). Removing the most recent
+        checkpoint's dtype; Task Arithmetic: λ·τ_k recomputed from the kept expert, whose content
+        hash must still match; MDM-OC: α_k δ_k⊥ rebuilt from the state). Removing the most recent
         fold restores the previous backbone byte for byte; removing an earlier one is within one
         unit in the last place of the storage dtype of θ − Δ_k; removing the only fold gives θ₀
         exactly. An approximation of "never merged" for policies whose later folds depended on
@@ -72,8 +75,10 @@ def unmerge(state_dir: str | os.PathLike, expert_id: str, mode: str, *, out: str
 
     Raises:
         StateError: unknown expert, missing contribution, ``subtract`` for a policy that cannot
-            (:attr:`~mergestream.policies.base.Policy.subtract_unmerge`, e.g. Iso-C), or (replay)
-            an expert file that is gone.
+            (:attr:`~mergestream.policies.base.Policy.subtract_unmerge`, e.g. Iso-C), or an expert
+            file that is gone (replay; subtract of a Task Arithmetic fold).
+        CorruptCheckpointError: subtract of a Task Arithmetic fold whose expert file changed since
+            it was folded (content hash); nothing is written and the state is unchanged.
     """
     pin_mmap_threshold()
     if mode not in ("subtract", "replay"):
@@ -116,15 +121,26 @@ def subtract(sd: StateDir, k: int, *, out, base, backbone, device, threads, max_
             f.exact_restore = False
     records = [{"id": f.id, "sha256": f.sha256} for f in remaining]
     coeff_k = man.folds[k].coefficient
-    contrib = None
+    contrib = exp = loader = None
+    lam = None
+    metas = base_ck.metas()
+    ties = tied_groups(base_ck)
+    aliases = kept_ties(ties, [cur.get], f"backbone {backbone}") if ties else {}
     if not pol.contributions_in_state:
         rec = man.folds[k]
         if not rec.contribution or not (sd.path / rec.contribution).exists():
             raise StateError(f"{sd.path}: no stored contribution for expert {rec.id!r}")
         contrib = residuals.ResidualReader(sd.path / rec.contribution)
-    metas = base_ck.metas()
-    ties = tied_groups(base_ck)
-    aliases = kept_ties(ties, [cur.get], f"backbone {backbone}") if ties else {}
+        lam = contrib.recompute_lambda
+    try:
+        if lam is not None:  # format 3: λτ_k from the kept expert, read (and hashed) in its order
+            exp, loader = _open_kept_expert(man.folds[k], base_ck, aliases, threads)
+    except BaseException:
+        contrib.close()
+        base_ck.close()
+        cur.close()
+        raise
+    names = loader.names if loader is not None else canonical_order(base_ck)
     state_path = sd.new_file("state")
     state_writer = AppendWriter(state_path, header_bytes=residuals.header_room(metas, 4))
     lock = threading.Lock()
@@ -135,16 +151,30 @@ def subtract(sd: StateDir, k: int, *, out, base, backbone, device, threads, max_
             writer = ModelWriter(stage, metas, provenance(pol, records, base_ck), max_shard_bytes)
             try:
                 def load(name: str):
-                    return None if name in aliases else cur.get(name)
+                    """``(expert tensor or None, θ or None)``; None for an alias written with its primary."""
+                    if loader is None:
+                        return None if name in aliases else (None, cur.get(name))
+                    item = loader.load(name)  # frozen tensors checked against θ₀ on the way
+                    if item is None:
+                        return None
+                    return (item[1], cur.get(name)) if item[0] == "float" else (None, None)
 
-                def work(name: str, cur_s: torch.Tensor) -> None:
+                def release(item) -> None:
+                    if loader is not None and item[0] is not None:
+                        loader.release(("float", item[0]))
+
+                def work(name: str, item) -> None:
+                    e, cur_s = item
                     meta = base_ck.meta(name)
                     if not is_float_dtype(meta.dtype):
                         write_with_aliases(writer, name, base_ck.get(name), aliases)
                         return
                     with lock:
                         st = sd.tensor_state(name)
-                    if contrib is not None:
+                    if lam is not None:
+                        result = residuals.subtract_linear(name, cur_s, e, lam, base_ck, dev,
+                                                           contrib if exact else None)
+                    elif contrib is not None:
                         r, idx, val = contrib.get(name)
                         result = cur_s if r is None else residuals.subtract(
                             cur_s.to(dev), r, *((idx, val) if exact else (None, None))).cpu()
@@ -158,8 +188,11 @@ def subtract(sd: StateDir, k: int, *, out, base, backbone, device, threads, max_
                             state_writer.write(f"{name}{SEP}{f}", v.cpu())
                     stats.add({}, meta.numel, meta.nbytes * 2)
 
-                run_stream(canonical_order(base_ck), load, work, threads=worker_threads(threads), progress=bar, prefetch=0,
+                run_stream(names, load, work, threads=worker_threads(threads), progress=bar,
+                           prefetch=0 if loader is None else 1, release=release,
                            sizes=lambda n: base_ck.meta(n).nbytes, budget=largest(metas))
+                if loader is not None:
+                    _check_kept_expert(man.folds[k], loader)
                 finish_model(writer, base_ck, stage, state_writer, untied=aliases != ties)
             except BaseException:
                 writer.abort()
@@ -172,6 +205,8 @@ def subtract(sd: StateDir, k: int, *, out, base, backbone, device, threads, max_
         bar.close()
         if contrib is not None:
             contrib.close()
+        if exp is not None:
+            exp.close()
         base_ck.close()
         cur.close()
     new_man = Manifest(policy=man.policy, base=man.base, base_tensors=man.base_tensors,
@@ -179,7 +214,37 @@ def subtract(sd: StateDir, k: int, *, out, base, backbone, device, threads, max_
     sd.close()
     sd.commit(new_man, [state_path])
     return FoldReport(out=str(out), policy=pol.name, params=pol.describe(), experts=[f.id for f in remaining],
-                      bytes_read=stats.bytes_read, bytes_written=writer.bytes_written, stats={"mode_subtract": 1.0})
+                      bytes_read=stats.bytes_read + (loader.reader.bytes_read if loader is not None else 0),
+                      bytes_written=writer.bytes_written, stats={"mode_subtract": 1.0})
+
+
+def _open_kept_expert(rec, base_ck, aliases: dict[str, str], threads):
+    """The expert of fold ``rec`` and a loader that reads (and hashes) it in its own order, for a
+    subtract that recomputes λτ (residual format 3). Raises StateError when the file is gone or is
+    no longer a dense checkpoint of θ₀'s keys."""
+    if not is_s3_path(rec.expert) and not Path(rec.expert).exists():
+        raise StateError(f"subtract of {rec.id!r} recomputes λ·τ from its expert, which is gone: {rec.expert} "
+                         f"(restore the file with content hash {rec.sha256}, or use --mode replay)")
+    exp = open_expert(rec.expert, base_ck)
+    try:
+        if not isinstance(exp, DenseExpert):
+            raise StateError(f"expert {rec.id!r} at {rec.expert} is no longer a dense checkpoint; use --mode replay")
+        validate_against_base(base_ck, exp, role="expert", deep=False)
+        return exp, ExpertLoader(exp, base_ck, aliases, f"expert {exp.path}", worker_threads(threads) + 1)
+    except BaseException:
+        exp.close()
+        raise
+
+
+def _check_kept_expert(rec, loader: ExpertLoader) -> None:
+    """Raise CorruptCheckpointError (before anything is published) if the expert read for the
+    subtract is not the one folded: its content hash, computed on the same pass."""
+    sha = loader.reader.sha256()
+    if rec.sha256_kind == "weights" and sha != rec.sha256:
+        raise CorruptCheckpointError(
+            f"expert {rec.id!r} at {rec.expert} changed since it was folded (content hash {sha}, expected "
+            f"{rec.sha256}); subtract recomputes λ·τ from it, so nothing was removed: restore the file or "
+            "use --mode replay")
 
 
 def replay(sd: StateDir, k: int, *, out, base, device, threads, max_shard_bytes, overwrite,

@@ -10,7 +10,7 @@ import torch
 
 from mergestream import engine, residuals, stream
 from mergestream.checkpoints import Checkpoint, open_checkpoint, read_state_dict
-from mergestream.errors import CorruptCheckpointError, FrozenTensorMismatchError, NonFiniteError
+from mergestream.errors import CorruptCheckpointError, FrozenTensorMismatchError, NonFiniteError, StateError
 from mergestream.expert_readers import content_sha256
 from mergestream.patches import weights_sha256
 from mergestream.state import StateDir
@@ -40,12 +40,14 @@ def _wide_model(seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return t
 
 
-@pytest.mark.parametrize("policy,params", [("task_arithmetic", {"lambda": 0.7}), ("ties", {"k": 30}),
+@pytest.mark.parametrize("policy,params", [("task_arithmetic", {"lambda": 0.7}), ("task_arithmetic", {"lambda": 0.5}),
+                                           ("ties", {"k": 30}),
                                            ("safe_merge", {"steps": 2, "k": 4, "k_s": 4, "rank": 2})])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_subtract_of_the_latest_fold_restores_bytes_over_25_cycles(tmp_path, dtype, policy, params):
     """fold X, subtract X, 25 times, on top of an earlier fold: the backbone comes back byte for byte
-    every time (the applied residual is stored, not the pre-rounding Δ), so nothing drifts."""
+    every time (the applied residual is stored, not the pre-rounding Δ; Task Arithmetic: what the
+    rounding lost, λ = 0.5 putting a rounding tie on a quarter of the entries), so nothing drifts."""
     base = _wide_model(0, dtype)
     bpath = save_tensors(tmp_path / "base.safetensors", base)
     first = save_tensors(tmp_path / "first.safetensors", perturb(base, 0.05, 1))
@@ -77,29 +79,67 @@ def _three_folds(tmp, dtype: torch.dtype, policy: str, params: dict):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_subtract_of_an_earlier_fold_is_within_one_ulp(tmp_path, dtype):
-    """Removing an earlier fold: rd(θ − r) with r the stored residual, within one unit in the last
-    place of the storage dtype of the exact θ − r, on every element; removing the last one left
-    gives θ₀ exactly."""
+    """Removing an earlier Task Arithmetic fold: rd(θ − λτ) with λτ recomputed from the kept expert
+    exactly as the fold computed it (float32 for these dtypes), within one unit in the last place of
+    the storage dtype of the exact θ − λτ on every element; removing the last one left gives θ₀
+    exactly."""
     base, bpath, state, prev = _three_folds(tmp_path, dtype, "task_arithmetic", {"lambda": 0.5})
-    sd = StateDir(state)
-    contrib = residuals.ResidualReader(state / sd.manifest.folds[0].contribution)
+    e0 = read_state_dict(tmp_path / "e0.safetensors")
     cur = read_state_dict(prev)
-    stored = {k: contrib.get(k)[0] for k, v in cur.items() if v.is_floating_point()}
-    contrib.close()
     engine.unmerge(state, "e0", "subtract", out=tmp_path / "minus0")
     got = read_state_dict(tmp_path / "minus0")
     for k, v in cur.items():
         if not v.is_floating_point():
             assert torch.equal(got[k], v)
             continue
-        r = stored[k]
-        exact = v.double() - r.double()
+        d = (e0[k].float() - base[k].float()) * 0.5
+        exact = v.double() - d.double()
         ulp = torch.finfo(dtype).eps * exact.abs().clamp_min(torch.finfo(dtype).tiny)
         assert ((got[k].double() - exact).abs() <= ulp * 1.0001).all(), k
     assert not any(f.exact_restore for f in StateDir(state).manifest.folds)  # backbone is no fold's output now
     engine.unmerge(state, "e1", "subtract", out=tmp_path / "minus01")
     engine.unmerge(state, "e2", "subtract", out=tmp_path / "empty")
     _same_bytes(read_state_dict(tmp_path / "empty"), base)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_task_arithmetic_fold_stores_no_residual_tensor(tmp_path, dtype):
+    """A linear fold's residual file (format 3) holds λ, one tie bit per element and the exception
+    lists only, since subtract recomputes λτ from the kept expert: its data stays under the
+    model's size even on this model, where a fifth of the weights are far smaller than λτ (their
+    low bits are lost by the fold and must be listed)."""
+    base, bpath, state, prev = _three_folds(tmp_path, dtype, "task_arithmetic", {"lambda": 0.5})
+    float_bytes = sum(t.numel() * t.element_size() for t in base.values() if t.is_floating_point())
+    for f in StateDir(state).manifest.folds:
+        reader = residuals.ResidualReader(state / f.contribution)
+        try:
+            assert reader.recompute_lambda == 0.5
+            keys = list(reader._ck.keys())
+            assert keys and all(residuals.is_exception_key(k) for k in keys)
+            stored = sum(reader._ck.get(k).numel() * reader._ck.get(k).element_size() for k in keys)
+        finally:
+            reader.close()
+        assert stored < float_bytes
+
+
+@pytest.mark.parametrize("change", ["deleted", "rewritten"])
+def test_subtract_needing_a_kept_expert_that_is_gone_or_changed_loses_nothing(tmp_path, change):
+    """Subtract of a Task Arithmetic fold recomputes λτ from the kept expert: a deleted expert is a
+    StateError before any work, a changed one (another content hash) a CorruptCheckpointError after
+    the pass; either way no output is published and the state folder is byte for byte as before."""
+    base, bpath, state, prev = _three_folds(tmp_path, torch.bfloat16, "task_arithmetic", {"lambda": 0.5})
+    before = {p.relative_to(state): p.read_bytes() for p in state.rglob("*") if p.is_file()}
+    e1 = tmp_path / "e1.safetensors"
+    if change == "deleted":
+        e1.unlink()
+    else:
+        save_tensors(e1, perturb(base, 0.05, 99))
+    with pytest.raises(StateError if change == "deleted" else CorruptCheckpointError, match="replay"):
+        engine.unmerge(state, "e1", "subtract", out=tmp_path / "minus1")
+    assert not (tmp_path / "minus1").exists()
+    assert {p.relative_to(state): p.read_bytes() for p in state.rglob("*") if p.is_file()} == before
+    engine.unmerge(state, "e2", "subtract", out=tmp_path / "minus2")  # the others still subtract
+    _same_bytes(read_state_dict(tmp_path / "minus2"), read_state_dict(tmp_path / "v1"))
 
 
 def test_replay_is_byte_exact(tmp_path):
