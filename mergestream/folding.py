@@ -182,7 +182,8 @@ def _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, 
     contrib_path = sd.new_file("contrib", eid) if store_contrib else None
     new_files: list[Path] = [state_path] + ([contrib_path] if contrib_path else [])
     state_writer = AppendWriter(state_path, header_bytes=residuals.header_room(metas, 4))
-    contrib = residuals.ResidualWriter(contrib_path, metas, eid, recompute_lambda=lin) if store_contrib else None
+    contrib = residuals.ResidualWriter(contrib_path, metas, eid, recompute_lambda=lin,
+                                       expert_path=_abs(expert)) if store_contrib else None
     bar = Progress(sum(m.nbytes for m in metas), len(metas), f"fold {eid}", progress)
     try:
         with staged_output(out, overwrite=overwrite) as stage:

@@ -26,10 +26,11 @@ next to) a rounding tie: θ_t then has two preimages, and θ_{t−1} is c's neig
 θ_t − d. Experts and θ₀ share the storage grid, so such ties are common (λ = 0.5: a quarter to
 half of the entries). Per tensor the file holds
 
-* ``<name>::exact_ties`` (uint8, one bit per element, ``numpy.packbits`` order): θ_{t−1} is that
-  neighbour of c (1/16 of a bf16 tensor's size, 1/32 of a float32 one's);
-* ``<name>::exact_index`` / ``<name>::exact_value``: the rare entries neither rule gives (binade
-  crossings), with θ_{t−1}'s value.
+* ``<name>::exact_ties`` (uint8, one bit per element, ``numpy.packbits`` order): set where
+  θ_{t−1} is not c; it is then c's neighbour toward θ_t − d (1/16 of a bf16 tensor's size, 1/32
+  of a float32 one's);
+* ``<name>::exact_index`` / ``<name>::exact_value``: the rare entries neither rule gives (weights
+  far smaller than d, whose low bits the fold lost; binade crossings), with θ_{t−1}'s value.
 
 Subtract reads the kept expert again (its content hash is checked before anything is published)
 and, for the most recent fold, applies both (:func:`recover_previous`). This saves writing the
@@ -55,9 +56,11 @@ from .checkpoints import (
     TensorMeta,
     check_finite_tensor,
     is_float_dtype,
+    open_checkpoint,
     open_safetensors_file,
 )
-from .errors import NonFiniteError
+from .errors import NonFiniteError, StateError
+from .s3_checkpoint import is_s3_path
 from .stream import scratch
 from .writers import AppendWriter, tensor_bytes
 
@@ -136,11 +139,11 @@ def task_vector_chunk(ec: torch.Tensor, b_raw: torch.Tensor, lam: float, dev: to
 
 
 def subtract_delta(theta: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """rd(θ − d) in θ's storage dtype, the subtraction itself exact before the one rounding.
+    """rd(θ − d) in θ's storage dtype: within one unit in the last place of the exact θ − d.
 
-    ``θ − d`` runs in float32 for bf16/fp16 checkpoints (θ has 8 or 11 significant bits, d 24:
-    their difference rounds to θ's dtype as the exact one does except in rare double-rounding
-    ties) and in float64 for float32/float64 ones, where float32 math would round twice.
+    ``θ − d`` runs in float32 for bf16/fp16 checkpoints and in float64 for float32/float64 ones,
+    then is rounded once to θ's dtype (the float32 difference may round first in rare cases; the
+    fold computes the same function, so what it lists for exactness matches what unmerge gets).
 
     Args:
         theta: a flat chunk of θ (storage dtype, on d's device). d: the same chunk of Δ (float32 or
@@ -156,18 +159,29 @@ def subtract_delta(theta: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return scratch("sd_out", k, theta.dtype, dev).copy_(a)
 
 
-def _across(c: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """c's neighbours in its dtype at flat ``idx``, each on the side of θ − d (slot ``sd_a``, as
-    :func:`subtract_delta` left it) opposite c: the other preimage of a rounding tie."""
-    w = scratch("sd_a", c.numel(), torch.float64 if c.dtype in (torch.float32, torch.float64) else torch.float32,
-                c.device)[idx]
-    cv = c.reshape(-1)[idx]
-    up = torch.gt(w, cv.to(w.dtype))
-    inf = torch.tensor(float("inf"), dtype=c.dtype, device=c.device)
-    return torch.nextafter(cv, torch.where(up, inf, -inf))
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """The dtype :func:`subtract_delta` takes θ − d in for a storage dtype."""
+    return torch.float64 if dtype in (torch.float32, torch.float64) else torch.float32
 
 
-def recover_previous(theta: torch.Tensor, d: torch.Tensor, ties: torch.Tensor | None) -> torch.Tensor:
+def _neighbour_bits(c: torch.Tensor) -> torch.Tensor:
+    """Bit patterns of c's neighbours one step toward θ − d (slot ``sd_a``, as
+    :func:`subtract_delta` left it), element-wise: the other preimage of a rounding tie.
+
+    Works on the sign-magnitude bit patterns: c's pattern moves one step toward θ − d's when
+    compared as signed integers of the wide dtype, for either sign and for signed zeros. Where
+    θ − d is exactly c the step is down (never used: such entries are listed). Returns a per-thread
+    buffer (slot ``sd_alt``) of c's integer dtype.
+    """
+    k, dev = c.numel(), c.device
+    w = scratch("sd_a", k, _wide(c.dtype), dev)
+    cw = scratch("sd_cw", k, w.dtype, dev).copy_(c)
+    up = torch.gt(bits(w), bits(cw), out=scratch("sd_up", k, torch.bool, dev))
+    cb = bits(c)
+    return scratch("sd_alt", k, cb.dtype, dev).copy_(up).mul_(2).sub_(1).add_(cb)
+
+
+def recover_previous(theta: torch.Tensor, d: torch.Tensor, ties: np.ndarray | None) -> torch.Tensor:
     """θ_{t−1} of one flat chunk from θ_t and d (format 3; exception lists applied afterwards).
 
     Args:
@@ -179,10 +193,10 @@ def recover_previous(theta: torch.Tensor, d: torch.Tensor, ties: torch.Tensor | 
         A per-thread buffer (slot ``sd_out``) in θ's dtype.
     """
     c = subtract_delta(theta, d)
-    if ties is not None:
-        idx = torch.from_numpy(np.flatnonzero(ties)).to(c.device)
-        if idx.numel():
-            c.view(-1)[idx] = _across(c, idx)
+    if ties is not None and ties.any():
+        cb = bits(c)
+        mask = torch.from_numpy(ties).to(c.device)
+        cb.copy_(torch.where(mask, _neighbour_bits(c), cb))
     return c
 
 
@@ -194,12 +208,15 @@ class ResidualWriter:
         metas: θ₀'s tensors (to size the header). expert_id: stored in the metadata.
         recompute_lambda: λ of a linear fold (format 3: only exception lists, see the module
             docstring; :func:`fold_linear` calls :meth:`linear_exceptions`), or None (format 2).
+        expert_path: format 3: the expert file Δ is recomputed from (for :func:`open_contribution`).
     """
 
-    def __init__(self, path: Path, metas: list[TensorMeta], expert_id: str, recompute_lambda: float | None = None):
+    def __init__(self, path: Path, metas: list[TensorMeta], expert_id: str, recompute_lambda: float | None = None,
+                 expert_path: str | None = None):
         meta = {"mergestream.expert": expert_id, "mergestream.residual_format": "2"}
         if recompute_lambda is not None:
-            meta.update({"mergestream.residual_format": "3", "mergestream.lambda": repr(float(recompute_lambda))})
+            meta.update({"mergestream.residual_format": "3", "mergestream.lambda": repr(float(recompute_lambda)),
+                         "mergestream.expert_path": str(expert_path or "")})
         self._w = AppendWriter(path, meta, header_bytes=header_room(metas, 3))
 
     def reserve_ties(self, meta: TensorMeta) -> int:
@@ -208,7 +225,13 @@ class ResidualWriter:
 
     def linear_exceptions(self, ties_start: int, elem_offset: int, out_s: torch.Tensor, d: torch.Tensor,
                           prev_s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Format 3 for one flat chunk: write its tie bits, return the entries no rule recovers.
+        """Format 3 for one flat chunk: write its tie bits, return the entries they do not recover.
+
+        A bit is set where c = rd(θ_t − d) is not θ_{t−1}; subtract then takes c's neighbour
+        toward θ_t − d there (:func:`recover_previous`), and the returned entries override it
+        where that is not θ_{t−1} either. All dense element-wise work: listing only the rare
+        misses keeps it cheap (a fifth of a later 1 GiB fold's CPU when every differing entry
+        was gathered first).
 
         Args:
             ties_start: the tensor's bitmask data start (:meth:`reserve_ties`). elem_offset: the
@@ -216,23 +239,20 @@ class ResidualWriter:
                 d: Δ in the math dtype (:func:`task_vector_chunk`). prev_s: θ_{t−1} (storage dtype).
 
         Returns:
-            (flat indices in the whole tensor, θ_{t−1} values) where neither c = rd(θ_t − d) nor its
-            neighbour across θ_t − d is θ_{t−1}, or None.
+            (flat indices in the whole tensor, θ_{t−1} values) of the misses, or None.
         """
-        prev_s = prev_s.to(out_s.device)
+        k, dev = out_s.numel(), out_s.device
+        prev = prev_s.to(dev).reshape(-1)
         c = subtract_delta(out_s, d)
-        idx = differing_bits(c, prev_s)
-        flags = np.zeros(c.numel(), dtype=bool)
-        rest = None
-        if idx.numel():
-            alt = _across(c, idx)
-            hit = torch.eq(bits(alt), bits(prev_s.reshape(-1)[idx]))
-            flags[idx[hit].cpu().numpy()] = True
-            miss = idx[~hit]
-            if miss.numel():
-                rest = miss.cpu() + elem_offset, prev_s.reshape(-1)[miss].cpu()
-        self._w.write_range(ties_start + elem_offset // 8, np.packbits(flags).tobytes())
-        return rest
+        alt = _neighbour_bits(c)
+        pb = bits(prev)
+        ne = torch.ne(bits(c), pb, out=scratch("sd_ne", k, torch.bool, dev))
+        miss = torch.ne(alt, pb, out=scratch("sd_miss", k, torch.bool, dev)).logical_and_(ne)
+        self._w.write_range(ties_start + elem_offset // 8, np.packbits(ne.cpu().numpy()).tobytes())
+        idx = torch.from_numpy(np.flatnonzero(miss.cpu().numpy()))
+        if not idx.numel():
+            return None
+        return idx + elem_offset, prev[idx.to(dev)].cpu()
 
     def reserve(self, meta: TensorMeta) -> int:
         """Plan ``meta``'s residual (filled by :meth:`chunk`); returns its data start."""
@@ -309,6 +329,8 @@ class ResidualReader:
         #: λ of a format-3 file (Δ recomputed from the kept expert), else None
         self.recompute_lambda = (float(meta["mergestream.lambda"])
                                  if meta.get("mergestream.residual_format") == "3" else None)
+        #: format 3: the expert file the fold read (absolute path or ``s3://`` URI)
+        self.expert_path = meta.get("mergestream.expert_path") or None
 
     def linear(self, name: str) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """Format 3: ``(tie bits, index, value)`` of tensor ``name`` (each None when not stored)."""
@@ -421,3 +443,72 @@ def subtract_linear(name: str, cur_s: torch.Tensor, e: torch.Tensor, lam: float,
     if index is not None and index.numel():
         flat[index.to(torch.int64)] = value.to(dtype)
     return cur_s
+
+
+class LinearContribution:
+    """A format-3 fold's contribution Δ = λ·(e − θ₀) as a read-only checkpoint of float32 tensors
+    (θ₀'s float tensors' names and shapes), for readers that need the vector itself, such as the
+    weight-space probe's task cosine. Values are :func:`task_vector_chunk`'s, the fold's own.
+
+    Raises (at construction):
+        StateError: the expert file recorded in the residual file is gone.
+    """
+
+    def __init__(self, path: Path, base: str | Path, reader: ResidualReader):
+        self.path = Path(path)
+        self.lam = float(reader.recompute_lambda)
+        expert = reader.expert_path
+        if not expert or (not is_s3_path(expert) and not Path(expert).exists()):
+            raise StateError(f"contribution {path} is recomputed from expert {expert or '(not recorded)'}, "
+                             "which is gone")
+        self._b = open_checkpoint(base)
+        try:
+            self._e = open_checkpoint(expert, expect_keys=self._b.keys())
+        except BaseException:
+            self._b.close()
+            raise
+        self._metas = {m.name: TensorMeta(m.name, m.shape, torch.float32)
+                       for m in self._b.metas() if is_float_dtype(m.dtype)}
+
+    def metas(self) -> list[TensorMeta]:
+        return list(self._metas.values())
+
+    def meta(self, name: str) -> TensorMeta:
+        return self._metas[name]
+
+    def keys(self) -> list[str]:
+        return list(self._metas)
+
+    def get(self, name: str) -> torch.Tensor:
+        """Δ of tensor ``name`` (float32, θ₀'s shape)."""
+        m = self._metas[name]
+        return self.read_into(name, torch.empty(m.nbytes, dtype=torch.uint8)).view(torch.float32).view(m.shape)
+
+    def read_into(self, name: str, out: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Δ's float32 bytes ``[start, start + out.numel())`` of tensor ``name`` into ``out``
+        (uint8; ``start`` and the length multiples of 4)."""
+        dtype = self._b.meta(name).dtype
+        first, count, isz = start // 4, out.numel() // 4, dtype.itemsize
+        b_raw = self._b.read_into(name, torch.empty(count * isz, dtype=torch.uint8), first * isz).view(dtype)
+        e_raw = self._e.read_into(name, torch.empty(count * isz, dtype=torch.uint8), first * isz).view(dtype)
+        d, _ = task_vector_chunk(e_raw, b_raw, self.lam, torch.device("cpu"))
+        out.view(torch.float32).copy_(d)
+        return out
+
+    def close(self) -> None:
+        self._e.close()
+        self._b.close()
+
+
+def open_contribution(path: Path, base: str | Path):
+    """A fold's contribution file as a checkpoint of its Δ: the stored residual (formats 1 and 2,
+    exception entries included as extra keys, see :func:`is_exception_key`) or, for format 3, a
+    :class:`LinearContribution` recomputed from the recorded expert and θ₀ (``base``)."""
+    reader = ResidualReader(path)
+    if reader.recompute_lambda is None:
+        reader.close()
+        return open_safetensors_file(path)
+    try:
+        return LinearContribution(path, base, reader)
+    finally:
+        reader.close()

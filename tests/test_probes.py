@@ -170,6 +170,12 @@ def test_weight_space_on_real_folds_agrees_with_the_engine(tiny_bert, tmp_path):
     assert got["step_drift"] == pytest.approx(norm(lambda k: t2[k] - t0[k]) / n0, rel=1e-4)
     cos = engine.task_vector_stats(tiny_bert, [e1, e2])["cosine"][0][1]
     assert got["max_task_cosine"] == pytest.approx(abs(cos), abs=1e-6)
+    # Task Arithmetic stores no residual tensor: the cosine above came from λτ recomputed from the
+    # experts the folds recorded, so a vanished expert is a probe error, not a silent 0
+    shutil.rmtree(e1)
+    with pytest.raises(ProbeError, match="gone"):
+        make_probe("weight_space")(tmp_path / "v2", ctx_for(tiny_bert, previous=tmp_path / "v1",
+                                                            contributions=contribs))
 
 
 def test_weight_space_refuses_candidate_missing_a_tensor(tmp_path):

@@ -28,7 +28,8 @@ import torch
 from ...checkpoints import Checkpoint, TensorMeta, is_float_dtype, open_checkpoint
 from ...inspection import drift_sums, gram_matrix
 from ...linalg import SVD_MODES, max_abs_cosine
-from ...residuals import is_exception_key
+from ...errors import StateError
+from ...residuals import is_exception_key, open_contribution
 from .base import ProbeContext, ProbeError, positive_int, probe_device
 
 #: θ₀ top-k singular vectors: key (base file fingerprint, k, svd mode) -> {tensor: (U m×k, V n×k)}.
@@ -141,10 +142,11 @@ class WeightSpaceProbe:
             "relative_drift": math.sqrt(sums.drift_sq) / base_norm,
             "step_drift": math.sqrt(sums.step_sq) / base_norm,
             "general_subspace_energy": energy,
-            "max_task_cosine": self.max_task_cosine(ctx.contributions, dev),
+            "max_task_cosine": self.max_task_cosine(ctx.contributions, dev, base=ctx.base),
         }
 
-    def max_task_cosine(self, contributions: list[Path], device: torch.device | str = "cpu") -> float:
+    def max_task_cosine(self, contributions: list[Path], device: torch.device | str = "cpu",
+                        base: Path | None = None) -> float:
         """Largest |cos(cᵢ, cⱼ)| over pairs i < j of whole-model contributions; 0.0 with < 2.
 
         A contribution with zero norm has cosine 0 with every other. Reads every contribution's
@@ -152,16 +154,29 @@ class WeightSpaceProbe:
         """
         if len(contributions) < 2:
             return 0.0
-        return max_abs_cosine(torch.from_numpy(self.contribution_gram(contributions, device)))
+        return max_abs_cosine(torch.from_numpy(self.contribution_gram(contributions, device, base=base)))
 
-    def contribution_gram(self, contributions: list[Path], device: torch.device | str = "cpu") -> np.ndarray:
+    def contribution_gram(self, contributions: list[Path], device: torch.device | str = "cpu",
+                          base: Path | None = None) -> np.ndarray:
         """Gram matrix G[i, j] = ⟨cᵢ, cⱼ⟩ (float64, N×N) of the contributions over their float tensors.
 
+        A Task Arithmetic fold stores no residual tensor (residual format 3): its Δ = λτ is
+        recomputed from the expert it records and θ₀ (``base``, required then).
+
         Raises:
-            ProbeError: the contributions do not hold the same float tensors with the same shapes.
+            ProbeError: the contributions do not hold the same float tensors with the same shapes,
+                or a recomputed one cannot be (no ``base``, its expert gone).
         """
-        cks = [open_checkpoint(p) for p in contributions]
+        cks = []
         try:
+            for p in contributions:
+                try:
+                    cks.append(open_contribution(p, base) if base is not None else open_checkpoint(p))
+                except StateError as exc:
+                    raise ProbeError(str(exc)) from exc
+                if base is None and not _float_metas(cks[-1]):
+                    raise ProbeError(f"contribution {p} stores no residual tensor (Task Arithmetic): "
+                                     "pass θ₀ to recompute it")
             ref = cks[0]
             metas = _float_metas(ref)
             names = {m.name for m in metas}
