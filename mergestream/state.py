@@ -124,13 +124,6 @@ class StateDir:
         assert self._fields is not None
         return {f: self._state.get(f"{name}{SEP}{f}") for f in self._fields.get(name, [])}
 
-    def contribution(self, index: int) -> Checkpoint:
-        """The stored float32 contribution of fold ``index``."""
-        rec = self.manifest.folds[index]
-        if not rec.contribution or not (self.path / rec.contribution).exists():
-            raise StateError(f"{self.path}: no stored contribution for expert {rec.id!r}")
-        return open_checkpoint(self.path / rec.contribution)
-
     def new_file(self, kind: str, expert_id: str | None = None) -> Path:
         """A fresh, unique path inside the folder for a state or contribution file."""
         gen = uuid.uuid4().hex[:10]
