@@ -331,7 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="SAFE-Merge's H-vs-steps curve: comma-separated Adam step counts, each an extra row "
                          "safe_merge+steps<N> run on the file order only (e.g. 0,25,100,200)")
     ap.add_argument("--ri-policies", default="task_arithmetic,ties,best",
-                    help="policies also run with the RI pre-step ('+ri' rows); 'best' = the best other "
+                    help="policies or variant labels (e.g. safe_merge+iso) also run with the RI pre-step ('+ri' rows); "
+                         "'best' = the best other "
                          "policy by H on the file order; '' for none")
     ap.add_argument("--ri-steps", type=int, default=40, help="RI AdamW steps per expert")
     ap.add_argument("--ri-lr", type=float, default=1e-5)
@@ -631,10 +632,10 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     name = max(cands, key=lambda r: r["final"]["H"])["policy"]
                     log(f"best other policy by H on the file order: {name}")
-                src = next((p for p in pols if p[0] == name and not p[1]), None)
+                src = next((p for p in pols if p[0] + p[1] == name), None)  # a policy or a variant label
                 if src is None:
                     continue
-                pol, var, params = src[0], "+ri", dict(src[2])
+                pol, var, params = src[0], src[1] + "+ri", dict(src[2])
                 if [pol + var, seed] not in planned:
                     planned.append([pol + var, seed])
                 if shuffle_labels is not None and seed is not None and pol + var not in shuffle_labels:

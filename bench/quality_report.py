@@ -238,6 +238,8 @@ def gains_table(runs: list[dict[str, Any]]) -> list[str]:
     for name in dict.fromkeys(names):
         parent = next(r["policy"] for r in runs if label(r) == name)
         parent = METHOD_BASELINES.get(name, parent)
+        if name.endswith("+ri") and "+" in name[:-3]:
+            parent = name[:-3]  # a variant with RI against the same variant without it
         seeds = [s for (n, s) in by if n == name and (parent, s) in by]
         if not seeds:
             continue

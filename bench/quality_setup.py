@@ -229,6 +229,15 @@ _NOT_PROTOCOL = frozenset({"out", "workdir", "threads", "resume", "from_json", "
                            "planned_policies"})
 
 
+# options that only add rows (each row's numbers are independent of them): a resumed run may list more
+_ADDITIVE = frozenset({"ri_policies"})
+
+
+def _grows(had: Any, now: Any) -> bool:
+    """Whether the comma-separated list ``now`` keeps every item of ``had`` (rows may be added, not dropped)."""
+    return set(filter(None, str(had or "").split(","))) <= set(filter(None, str(now or "").split(",")))
+
+
 def protocol_args(args: Any) -> dict[str, Any]:
     """The command-line options that decide the measured numbers (everything but where results go,
     threads and notes), as JSON values: a resumed run must have exactly these."""
@@ -255,7 +264,8 @@ def load_resume(out: Path, args: Any, defaults: dict[str, Any] | None = None) ->
                               "start a fresh run in another --out")
     now = json.loads(json.dumps(protocol_args(args)))
     dflt = json.loads(json.dumps(protocol_args(argparse.Namespace(**defaults)))) if defaults else {}
-    diff = sorted(k for k in set(had) | set(now) if had.get(k, dflt.get(k)) != now.get(k))
+    diff = sorted(k for k in set(had) | set(now) if had.get(k, dflt.get(k)) != now.get(k)
+                  and not (k in _ADDITIVE and _grows(had.get(k, dflt.get(k)), now.get(k))))
     if diff:
         raise BenchInputError(f"{path} was run with other options: "
                               + ", ".join(f"{k}={had.get(k)!r} (now {now.get(k)!r})" for k in diff))

@@ -205,6 +205,11 @@ def test_resume_keeps_earlier_pieces_only_for_the_same_protocol(tmp_path):
         name = "sets" if name == "set" else name
         with pytest.raises(S.BenchInputError, match=name):
             S.load_resume(tmp_path, _args(*argv, *change))
+    # --ri-policies only adds rows: a resume may list more of them, never fewer
+    more = _args(*argv, "--ri-policies", "task_arithmetic,ties,best,safe_merge+iso")
+    assert S.load_resume(tmp_path, more)["runs"] == doc["runs"]
+    with pytest.raises(S.BenchInputError, match="ri_policies"):
+        S.load_resume(tmp_path, _args(*argv, "--ri-policies", "ties"))
     # an option added to the script after the run started matches when it is at its default
     older = {k: v for k, v in S.protocol_args(args).items() if k != "steps_curve"}
     (tmp_path / "quality.json").write_text(json.dumps({**doc, "protocol": {**doc["protocol"], "args": older}}))

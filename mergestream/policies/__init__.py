@@ -30,8 +30,8 @@ REGISTRY: dict[str, type[Policy]] = {
 #: The policy and parameters ``mergestream init``, the starter config, the daemon's config default and
 #: ``mergestream demo`` use: the row with the best measured H in bench/results/quality.md (file order
 #: and shuffles, tuned coefficients), kept in step with it by tests/test_recommended_policy.py.
-RECOMMENDED_POLICY: str = "task_arithmetic"
-RECOMMENDED_PARAMS: dict[str, Any] = {"lambda": 0.3}
+RECOMMENDED_POLICY: str = "iso_c"
+RECOMMENDED_PARAMS: dict[str, Any] = {"alpha": 2.0, "lambda": 0.2}
 
 
 def make_policy(name: str, params: dict[str, Any] | None = None) -> Policy:
