@@ -3,43 +3,21 @@
 Pure tensor math (no I/O), used by the streaming statistics of :mod:`mergestream.inspection` and
 through them by the daemon's weight-space probe. SAFE-Merge keeps its own
 :func:`mergestream.policies.safe_merge.top_singular` (float64 exact SVD below 512 columns,
-``torch.svd_lowrank`` with 3 power iterations above): its U₀, V₀ are persisted in the policy state,
-so its numerics are part of the fold's result and are not shared with the probe's.
+:func:`randomized_svd` with 3 power iterations and 10 oversampling columns above): its U₀, V₀ are
+persisted in the policy state, so its numerics are part of the fold's result and its parameters
+are not the probe's.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .policies.lowrank import randomized_svd
+
 #: Exact SVD when m·n·min(m, n) stays under this (e.g. 4096×1024, 30522×384); randomized above.
 EXACT_SVD_FLOPS = 1 << 33
 SVD_MODES = ("auto", "exact", "lowrank")
-
-
-def randomized_svd(a: torch.Tensor, k: int, oversample: int | None = None, niter: int = 8,
-                   seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k singular vectors of ``a`` (m×n, float32) by randomized subspace iteration with QR
-    re-orthonormalisation at every step (Halko, Martinsson & Tropp, SIAM Review 2011, Alg. 4.4).
-
-    The Gaussian test matrix comes from a private generator seeded with ``seed`` (no global RNG is
-    touched), so the result is deterministic per device. Pretrained weights have almost no gap
-    after the k-th singular value (σ₁₆/σ₁₇ ≈ 1.002 in MiniLM), so the defaults are generous:
-    oversampling max(2k, 10) and 8 power iterations keep a Δ built inside the exact top-16 subspace
-    of MiniLM's word embeddings at energy ≥ 0.99.
-
-    Returns:
-        U (m×k) and V (n×k) with orthonormal columns, a's dtype, on a's device.
-    """
-    m, n = a.shape
-    q = min(k + (oversample if oversample is not None else max(2 * k, 10)), m, n)
-    g = torch.Generator(device=a.device).manual_seed(seed)
-    omega = torch.randn(n, q, generator=g, device=a.device, dtype=a.dtype)
-    qm = torch.linalg.qr(a @ omega).Q
-    for _ in range(niter):
-        qm = torch.linalg.qr(a.T @ qm).Q
-        qm = torch.linalg.qr(a @ qm).Q
-    ub, _, vh = torch.linalg.svd(qm.T @ a, full_matrices=False)
-    return (qm @ ub)[:, :k], vh[:k].T
+__all__ = ["randomized_svd", "top_singular_vectors", "subspace_energy", "cosine_matrix", "max_abs_cosine"]
 
 
 def top_singular_vectors(a: torch.Tensor, k: int, mode: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,7 +14,7 @@ from mergestream.folding import weights_stream
 from mergestream.policies import TensorContext, cmaes_coefficients, make_policy
 from mergestream.policies.masks import magnitude_mask
 from mergestream.policies.mdm_oc import gram_schmidt, orthogonal_factors
-from mergestream.policies.safe_merge import masked_recovery, top_singular
+from mergestream.policies.safe_merge import PlainAdam, masked_recovery, top_singular
 from mergestream.policies.task_arithmetic import disjoint_mean, elect_sign, trim_top_k
 from mergestream.state import StateDir
 
@@ -273,6 +273,27 @@ def test_safe_merge_sparse_recovery_equals_the_dense_formulation(with_previous, 
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-6 * float(tau.abs().max()))
     assert not bool(got[~mask].any())  # D is zero outside M
     assert got_losses == pytest.approx(want_losses, rel=1e-4, abs=1e-9)
+
+
+@pytest.mark.parametrize("lr", [1e-3, 0.5, 1e-9])
+def test_plain_adam_is_torch_adam_step_for_step(lr):
+    """The recovery's Adam gives torch.optim.Adam's values at every step (bit for bit), gradients of
+    every scale included (tiny, zero, huge)."""
+    gen = torch.Generator().manual_seed(7)
+    params = [torch.randn(5, 33, generator=gen), torch.randn(70, 3, generator=gen)]
+    ours = [p.clone() for p in params]
+    ref = [p.clone() for p in params]
+    opt_ref = torch.optim.Adam(ref, lr=lr)
+    opt = PlainAdam(ours, lr=lr)
+    for step in range(30):
+        scale = (1e-30, 0.0, 1.0, 1e20)[step % 4]
+        for g, r in zip(opt.grads, ref):
+            g.copy_(torch.randn(g.shape, generator=gen) * scale)
+            r.grad = g.clone()
+        opt.step()
+        opt_ref.step()
+        for a, b in zip(ours, ref):
+            assert torch.equal(a, b), step
 
 
 def test_safe_merge_recovery_with_an_empty_mask_is_zero():

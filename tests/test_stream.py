@@ -273,6 +273,36 @@ def test_chunked_task_arithmetic_equals_the_whole_tensor_path(tmp_path, monkeypa
     _same_bytes(read_state_dict(tmp_path / "a2"), read_state_dict(tmp_path / "b2"))
 
 
+@pytest.mark.parametrize("policy,params", [("safe_merge", {"k": 8, "k_s": 8, "rank": 4, "steps": 5}),
+                                           ("mdm_oc", {"rank": 4})])
+def test_randomized_svd_folds_are_the_same_at_any_thread_count(tmp_path, monkeypatch, request, policy, params):
+    """Policies with randomized SVDs (matrices over 512 on their short side) fold the same bytes with
+    1 or 4 worker threads (each with one intra-op thread: torch's parallel reductions split by
+    thread count), in a later fold too: their test matrices come from private generators.
+    Reseeding torch's global generator per SVD (what they did) raced between workers; no policy may
+    touch it (torch.manual_seed raises here)."""
+    g = torch.Generator().manual_seed(0)
+    base = {f"layers.{i}.w": (torch.randn(520, 600, generator=g) * 0.02).to(torch.bfloat16) for i in range(6)}
+    bpath = save_tensors(tmp_path / "base.safetensors", base)
+    e1 = save_tensors(tmp_path / "e1.safetensors", perturb(base, 0.05, 1))
+    e2 = save_tensors(tmp_path / "e2.safetensors", perturb(base, 0.05, 2))
+
+    def no_global_seed(*a, **k):
+        raise AssertionError("a policy reseeded torch's global RNG")
+
+    monkeypatch.setattr(torch, "manual_seed", no_global_seed)
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(1)  # one intra-op thread per worker either way: reductions split alike
+    request.addfinalizer(lambda: torch.set_num_threads(threads_before))
+    outs = {}
+    for threads in (1, 4):
+        st, o1, o2 = tmp_path / f"s{threads}", tmp_path / f"a{threads}", tmp_path / f"b{threads}"
+        engine.fold(bpath, None, e1, policy, params, state_dir=st, out=o1, threads=threads)
+        engine.fold(bpath, o1, e2, policy, params, state_dir=st, out=o2, threads=threads)
+        outs[threads] = read_state_dict(o2)
+    _same_bytes(outs[1], outs[4])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("policy,params", [("task_arithmetic", {"lambda": 0.5}), ("ties", {"k": 30}),
                                            ("mdm_oc", {"alpha": 0.4})])

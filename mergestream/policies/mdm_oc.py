@@ -44,6 +44,7 @@ from pydantic import Field
 from ..errors import PolicyError
 from .base import Policy, PolicyParams, Tensor, TensorContext, TensorFold, TensorState
 from .lines import layer_index
+from .lowrank import randomized_svd
 
 log = logging.getLogger(__name__)
 
@@ -97,13 +98,8 @@ def orthogonal_factors(tau: Tensor, r_prev: Tensor, rank: int, *, seed: int = 0)
         _, _, vh = torch.linalg.svd(proj.double(), full_matrices=False)
         v = vh[:r_eff].T.float()
     else:
-        g = torch.random.get_rng_state()
-        torch.manual_seed(seed)
-        try:
-            _, _, v = torch.svd_lowrank(proj, q=min(r_eff + 10, m, n), niter=3)
-        finally:
-            torch.random.set_rng_state(g)
-        v = v[:, :r_eff]
+        # a private generator (:func:`.lowrank.randomized_svd`): fold workers run this concurrently
+        _, v = randomized_svd(proj, r_eff, oversample=10, niter=3, seed=seed)
     for _ in range(2):  # re-orthogonalise against the earlier factors, then among themselves
         if r_prev.shape[1]:
             v = v - r_prev @ (r_prev.T @ v)
