@@ -205,8 +205,9 @@ def test_stop_abandons_a_fold_in_progress_and_the_expert_stays_queued(bert, expe
     import threading
     import time
 
+    # the gate is not under test here: a policy whose single fold of e0 passes it on these tiny experts
     c = Config(base=bert, inbox=tmp_path / "inbox", state_dir=tmp_path / "state", metrics={"enabled": False},
-               mlflow={"enabled": False})
+               mlflow={"enabled": False}, policy={"name": "task_arithmetic", "params": {"lambda": 0.3}})
     svc = Service(c, serve_metrics=False, watch_sources=False)
     svc.start()
     svc.pipeline.tensor_delay = 0.5  # seconds per tensor: the fold would take ~20 s

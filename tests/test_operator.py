@@ -80,7 +80,8 @@ def test_published_states_name_their_own_model(tmp_path):
     """A one-shot unmerge of a published state needs no --backbone: every version's state names
     versions/N/model (never the staging folder it was built in, which is gone)."""
     bpath, experts = _experts(tmp_path, 2)
-    svc = _service(tmp_path, bpath)
+    # a policy that can subtract (the default, Iso-C, unmerges by replay only)
+    svc = _service(tmp_path, bpath, policy={"name": "task_arithmetic", "params": {"lambda": 0.3}})
     try:
         _fold_each(svc, experts, [f"e{i}" for i in range(len(experts))])
     finally:
