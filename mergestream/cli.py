@@ -11,6 +11,7 @@ import gc
 import json
 import logging
 import sys
+from pathlib import Path
 from typing import Any
 
 import click
@@ -128,10 +129,37 @@ def fold_cmd(base, backbone, expert, policy, sets, state_dir, out, expert_id, ob
     from .plugins import resolve_callable
 
     obj = resolve_callable(objective, what="--objective") if objective else None
-    rep = fold(base, backbone, expert, policy, _parse_sets(sets), state_dir=state_dir, out=out,
+    params = _params_from_state(state_dir, policy, _parse_sets(sets))
+    rep = fold(base, backbone, expert, policy, params, state_dir=state_dir, out=out,
                expert_id=expert_id, device=device, threads=threads, max_shard_bytes=max_shard_bytes,
                objective=obj, progress=not quiet and not as_json, executor=_executor(executor, ray_address))
     _report(rep, as_json)
+
+
+def _params_from_state(state_dir: str, policy: str, given: dict[str, Any]) -> dict[str, Any]:
+    """A later fold's parameters: those not given by ``--set`` come from the state's last fold.
+
+    A state records every fold's parameters, so ``fold --state S`` without ``--set`` continues with
+    the values the stream was started with instead of silently falling back to the policy's
+    defaults. Only the policy's own parameter names (and LiNeS's ``lines_*``) are taken; what is
+    taken is said on stderr. A first fold, or a state of another policy (refused by the fold), gets
+    ``given`` unchanged.
+    """
+    from .policies import parameter_names
+    from .state import StateDir
+
+    if not (Path(state_dir) / "manifest.json").exists():
+        return given
+    man = StateDir(state_dir).manifest
+    if man.policy != policy or not man.folds:
+        return given
+    known = set(parameter_names(policy))
+    kept = {k: v for k, v in man.folds[-1].params.items()
+            if (k in known or k.startswith("lines_")) and k not in given}
+    if kept:
+        click.echo("parameters from the state's last fold: "
+                   + ", ".join(f"{k}={v}" for k, v in sorted(kept.items())), err=True)
+    return {**kept, **given}
 
 
 @cli.command("merge")

@@ -138,6 +138,31 @@ def test_hf_models_load_with_transformers_after_folding(tmp_path, tiny_llama):
     assert torch.isfinite(logits).all()
 
 
+@pytest.mark.parametrize("policy, first, later", [
+    ("task_arithmetic", ["lambda=0.7"], []),
+    ("ties", ["k=40", "lambda=0.9"], ["k=25"]),
+    ("task_arithmetic", ["lambda=0.6", "lines_alpha=0.5", "lines_beta=0.4"], ["lines_beta=0.2"]),
+])
+def test_a_later_cli_fold_continues_with_the_states_parameters(tmp_path, tiny_bert, policy, first, later):
+    """Parameters a later `fold --state` does not --set are the state's last fold's (never silently
+    the defaults): the output equals the fold with every parameter repeated by hand."""
+    experts = [make_hf_expert(tiny_bert, tmp_path / f"e{i}", seed=30 + i) for i in range(2)]
+    sets = lambda xs: [a for x in xs for a in ("--set", x)]  # noqa: E731
+    for tag, second in (("short", later), ("full", first + later)):
+        st = tmp_path / f"state-{tag}"
+        run_cli("fold", "--base", tiny_bert, "--expert", experts[0], "--policy", policy, *sets(first),
+                "--state", st, "--out", tmp_path / f"{tag}-v1")
+        run_cli("fold", "--base", tiny_bert, "--backbone", tmp_path / f"{tag}-v1", "--expert", experts[1],
+                "--policy", policy, *sets(second), "--state", st, "--out", tmp_path / f"{tag}-v2")
+    short, full = (json.loads((tmp_path / f"state-{t}" / "manifest.json").read_text()) for t in ("short", "full"))
+    assert short["folds"][1]["params"] == full["folds"][1]["params"]
+    for x in later:  # what is given wins over the state
+        k, v = x.split("=")
+        assert float(short["folds"][1]["params"][k]) == float(v)
+    got, want = read_state_dict(tmp_path / "short-v2"), read_state_dict(tmp_path / "full-v2")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
 def test_cli_fold_merge_unmerge_inspect(tmp_path, tiny_bert):
     experts = [make_hf_expert(tiny_bert, tmp_path / f"e{i}", seed=10 + i) for i in range(3)]
     st = tmp_path / "state"
@@ -148,6 +173,8 @@ def test_cli_fold_merge_unmerge_inspect(tmp_path, tiny_bert):
                    "--threads", "2")
     rep = json.loads(proc.stdout)
     assert rep["experts"] == ["e1"] and rep["params"]["k"] == 30.0
+    assert rep["params"]["lambda"] == 0.8  # not given: the state's last fold's value, not the default
+    assert "lambda=0.8" in proc.stderr
     run_cli("fold", "--base", tiny_bert, "--backbone", tmp_path / "v2", "--expert", experts[2], "--id", "third",
             "--policy", "ties", "--state", st, "--out", tmp_path / "v3")
     manifest = json.loads((st / "manifest.json").read_text())
