@@ -105,9 +105,12 @@ class TensorFolder:
         # contributions live in their state), so memory stays at a few tensors
         prev_s = None
         if first:
-            bb = scratch("backbone", meta.numel, torch.float32, dev).view(meta.shape).copy_(b)
             if contrib is not None:
                 prev_s = b_raw  # θ₀ as stored (b is its exact float32 widening)
+            # θ_{t−1} = θ₀: policies only read base and backbone, and θ₀ is not needed after the
+            # policy, so the result is built in θ₀'s float32 buffer (one tensor-sized copy and
+            # scratch buffer fewer per thread) unless that buffer is θ₀ as stored, kept for contrib
+            bb = b if prev_s is not b else scratch("backbone", meta.numel, torch.float32, dev).view(meta.shape).copy_(b)
         else:
             prev_raw = read_scratch(cur, name, "prev_raw")
             if contrib is None and _as_is(meta.dtype, dev):

@@ -151,8 +151,10 @@ def fold(base: str | os.PathLike, backbone: str | os.PathLike | None, expert: st
     try:
         validate_against_base(base_ck, exp, role="expert", deep=False)
         lin = pol.linear_scale() if isinstance(exp, DenseExpert) else None
-        # element-wise policies are I/O-bound: read ahead into pooled buffers (no page faults)
-        buffers = worker_threads(threads) + 1 if lin is not None else 0
+        # read ahead into pooled buffers, one per worker and one in flight: fresh tensor-sized pages
+        # per expert tensor cost more page faults than the math of the element-wise policies (and
+        # about a tenth of MDM-OC's fold), for one largest tensor per worker of memory
+        buffers = worker_threads(threads) + 1
         ties = tied_groups(base_ck)
         aliases = kept_ties(ties, [*([] if cur is base_ck else [cur.get]), _tensor_reader(exp, base_ck)],
                             f"expert {exp.path}") if ties else {}

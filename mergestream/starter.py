@@ -30,7 +30,8 @@ base: {base}
   params: {params}
   unmerge_mode: {unmerge_mode}{pad}# how `mergestream unmerge EXPERT` removes an expert: subtract | replay
   # Data-driven extras (README, "Data-driven merging"):
-  # preprocess: [ri]            # RI pre-step: adapt each expert (that ships a task head) on unlabeled data
+  # preprocess: [ri]            # RI pre-step: adapt each expert (that ships a task head) on unlabeled data;
+  #                            # the benchmark's best row is the recommended policy plus this step
   # ri: {{data: aux.txt, steps: 100, time_budget_seconds: 300, alpha: 1.0}}
   # with mdm_oc and params {{coefficients: cmaes, budget: 40}}, CMA-ES maximises the data probes:
   # objective: {{task_weight: 1.0, general_weight: 1.0, examples_per_task: 64, general_pairs: 200}}
