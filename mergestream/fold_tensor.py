@@ -34,7 +34,7 @@ from .passes import (
 from .policies import Policy, TensorContext
 from .policies.lines import block_count
 from .state import SEP, StateDir
-from .stream import read_scratch, scratch
+from .stream import policy_scratch, read_scratch, scratch
 
 
 @dataclass
@@ -130,7 +130,7 @@ class TensorFolder:
         with self._lock:
             st = {k: v.to(dev) for k, v in self.read_state(name).items()}
         ctx = TensorContext(name, self.n_prev, self.prev_coeffs, is_embedding_name(name), seed_of(name),
-                            n_blocks=self.n_blocks, dtype=meta.dtype)
+                            n_blocks=self.n_blocks, dtype=meta.dtype, buffers=policy_scratch)
         res = self.pol.fold_tensor(b, bb, tau, st, ctx)
         del b, tau
         if not self.search:  # a coefficient search writes the output once, from the state

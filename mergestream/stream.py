@@ -281,6 +281,12 @@ def scratch(slot: str, numel: int, dtype: torch.dtype, device: torch.device | st
     return buf[:numel]
 
 
+def policy_scratch(slot: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """:func:`scratch` for a policy's temporaries (``TensorContext.buffers``), in slots of their own
+    so that they never share memory with the engine's (``base``, ``tau``, ...)."""
+    return scratch(f"policy:{slot}", numel, dtype, device)
+
+
 def read_scratch(ck: Checkpoint, name: str, slot: str) -> torch.Tensor:
     """Tensor ``name`` of ``ck`` as stored (CPU, its dtype and shape) in this thread's :func:`scratch`
     buffer ``slot`` (valid until the thread reads into that slot again)."""

@@ -318,6 +318,53 @@ def test_plain_adam_is_torch_adam_step_for_step(lr):
             assert torch.equal(a, b), step
 
 
+@pytest.mark.parametrize("params", [{}, {"iso_alpha": 2.0}, {"risk_mask": False}, {"project_rank": 4},
+                                    {"steps": 0}])
+def test_safe_merge_with_the_engines_scratch_buffers_equals_fresh_memory(params):
+    """SAFE-Merge's (m, n) temporaries in the engine's per-thread buffers (TensorContext.buffers):
+    the same Δ_t and state, bit for bit, as with fresh memory, over three folds of tensors of
+    several shapes folded in turn on one thread (a buffer reused for a smaller tensor, and for
+    the next tensor while the last one's results are still held, must not leak into them)."""
+    from mergestream.stream import clear_scratch, policy_scratch
+
+    gen = torch.Generator().manual_seed(11)
+    shapes = [(300, 420), (140, 150), (300, 420), (96,), (160, 700)]
+    pol = make_policy("safe_merge", {"k": 16, "k_s": 16, "rank": 4, "steps": 5, **params})
+    bases = [0.02 * torch.randn(sh, generator=gen) for sh in shapes]
+    runs = {}
+    for buffers in (None, policy_scratch):
+        clear_scratch()
+        backbones, states, held = [b.clone() for b in bases], [{} for _ in shapes], []
+        for t in range(3):
+            for i, sh in enumerate(shapes):
+                tau = 0.002 * torch.randn(sh, generator=torch.Generator().manual_seed(100 * t + i))
+                ctx = TensorContext(f"w{i}", n_previous=t, seed=i, buffers=buffers)
+                res = pol.fold_tensor(bases[i], backbones[i], tau, states[i], ctx)
+                held.append(res)  # still referenced while the next tensors fold
+                backbones[i] = backbones[i] + res.scale * res.delta
+                states[i] = {k: v.clone() for k, v in res.state.items()}
+        runs[buffers] = backbones, states, [(r.delta.clone(), r.stats) for r in held]
+    clear_scratch()
+    fresh, engine = runs[None], runs[policy_scratch]
+    for a, b in zip(fresh[0], engine[0]):
+        assert torch.equal(a, b)
+    for a, b in zip(fresh[1], engine[1]):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for (da, sa), (db, sb) in zip(fresh[2], engine[2]):
+        assert torch.equal(da, db) and sa == sb
+
+
+def test_masked_recovery_in_place_builds_d_in_tau_and_equals_the_copy():
+    _, tau = _safe_inputs(m=150, n=170, seed=5)
+    mask = magnitude_mask(tau.abs(), 0.2)
+    kw = dict(rank=4, steps=6, lambda_old=1.0, lr_scale=0.1, k_new=4, k_old=4, seed=1)
+    keep = tau.clone()
+    d, losses = masked_recovery(tau, mask, None, **kw)
+    assert torch.equal(tau, keep)  # the default leaves τ alone
+    d2, losses2 = masked_recovery(tau, mask, None, **kw, in_place=True)
+    assert d2.data_ptr() == tau.data_ptr() and torch.equal(d, d2) and losses == losses2
+
+
 def test_safe_merge_recovery_with_an_empty_mask_is_zero():
     _, tau = _safe_inputs()
     d, losses = masked_recovery(tau, torch.zeros_like(tau, dtype=torch.bool), None, rank=4, steps=5, lambda_old=1.0,

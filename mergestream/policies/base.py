@@ -8,6 +8,8 @@ returned at the previous fold, empty at the first), and gets back Δ_t (float32)
 from __future__ import annotations
 
 import difflib
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -41,6 +43,9 @@ class TensorContext:
             (:func:`mergestream.policies.lines.block_count`); 0 when it has none.
         dtype: the tensor's storage dtype in the checkpoint (the math is float32 regardless);
             a policy may keep tensor-sized state no wider than what the checkpoint stores.
+        buffers: ``(slot, numel, dtype, device) -> flat tensor``, the engine's per-thread reusable
+            buffers (:func:`mergestream.stream.scratch`), or None for fresh memory; use them
+            through :meth:`scratch`.
     """
 
     name: str
@@ -50,6 +55,22 @@ class TensorContext:
     seed: int = 0
     n_blocks: int = 0
     dtype: torch.dtype = torch.float32
+    buffers: Callable[[str, int, torch.dtype, torch.device], Tensor] | None = None
+
+    def scratch(self, slot: str, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype = torch.float32,
+                device: torch.device | str = "cpu") -> Tensor:
+        """An uninitialised tensor of ``shape`` for a temporary of this tensor's fold.
+
+        With the engine's :attr:`buffers` it is the same memory each time this thread asks for
+        ``slot``: fresh tensor-sized buffers cost page faults and kernel zeroing, which for
+        SAFE-Merge's several (m, n) temporaries per matrix cost more system time than its math.
+        The contents are valid until this thread asks for ``slot`` again, so a temporary must not
+        be returned as Δ_t or state (and two live temporaries need two slots).
+        """
+        shape = tuple(shape)
+        if self.buffers is None:
+            return torch.empty(shape, dtype=dtype, device=device)
+        return self.buffers(slot, math.prod(shape), dtype, torch.device(device)).view(shape)
 
 
 @dataclass

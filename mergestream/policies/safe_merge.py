@@ -69,22 +69,22 @@ def top_singular(w: Tensor, k: int, *, seed: int = 0) -> tuple[Tensor, Tensor]:
     return u.contiguous(), v.contiguous()
 
 
-def _project(u: Tensor, x: Tensor, v: Tensor) -> Tensor:
-    """U Uᵀ x V Vᵀ for (m, k) U, (m, n) x, (n, k) V."""
-    return u @ (u.T @ x @ v) @ v.T
+def risk_scores(tau: Tensor, u0: Tensor, v0: Tensor, k_s: int, eps: float = 1e-12, seed: int = 0,
+                ctx: TensorContext | None = None) -> Tensor:
+    """General-knowledge risk r ∈ [0, 1] per entry (steps 2-3 above); (m, n) float32.
 
-
-def risk_scores(tau: Tensor, u0: Tensor, v0: Tensor, k_s: int, eps: float = 1e-12, seed: int = 0) -> Tensor:
-    """General-knowledge risk r ∈ [0, 1] per entry (steps 2-3 above); (m, n) float32."""
+    With ``ctx``, the two (m, n) temporaries and the result live in its scratch buffers (slots
+    ``safe.perp`` and ``safe.risk``): the result is valid until this thread's next call."""
+    ctx = ctx or TensorContext("")
     x = u0.T @ tau  # (k, n)
     core = x @ v0  # U₀ᵀ τ V₀, (k, k)
     # τ_⊥ = τ − U₀U₀ᵀτ − (τV₀ − U₀U₀ᵀτV₀)V₀ᵀ, formed in one (m, n) buffer
-    perp = torch.addmm(tau, u0, x, alpha=-1.0).addmm_(torch.addmm(tau @ v0, u0, core, alpha=-1.0), v0.T, alpha=-1.0)
+    perp = torch.addmm(tau, u0, x, alpha=-1.0, out=ctx.scratch("safe.perp", tau.shape, device=tau.device))
+    perp.addmm_(torch.addmm(tau @ v0, u0, core, alpha=-1.0), v0.T, alpha=-1.0)
     del x
     us, vs = top_singular(perp, k_s, seed=seed)
-    del perp
-    g = (u0 @ core) @ v0.T  # G = U₀U₀ᵀ τ V₀V₀ᵀ
-    s = _project(us, tau, vs)
+    g = torch.mm(u0 @ core, v0.T, out=ctx.scratch("safe.risk", tau.shape, device=tau.device))  # U₀U₀ᵀτV₀V₀ᵀ
+    s = torch.mm(us @ (us.T @ tau @ vs), vs.T, out=perp)  # S = U_sU_sᵀ τ V_sV_sᵀ, in τ_⊥'s buffer
     g.abs_()
     return g.div_(s.abs_().add_(g).add_(eps))
 
@@ -107,13 +107,16 @@ class KeptPattern:
         self.nnz = int(self.flat.numel())
         self.values = torch.zeros(self.nnz, dtype=dtype, device=mask.device)
         self._values_t = torch.zeros_like(self.values)
-        self._order = torch.argsort(cols * m + rows)  # row-major -> column-major order of the same entries
         # int32 indices where they fit: the sparse kernels convert int64 ones on every call (a fresh
-        # nnz-sized buffer per product)
+        # nnz-sized buffer per product), and index_select gathers Sᵀ's values 1.5x faster with them
         idx = torch.int32 if max(self.nnz, m, n) < 2**31 - 1 else torch.int64
+        # row-major -> column-major order of the same entries: a stable sort by column of entries
+        # already in row order (a third of an argsort of col·m + row)
+        order = torch.sort(cols.to(idx), stable=True).indices
+        self._order = order.to(idx)
         self.s = torch.sparse_csr_tensor(_offsets(rows, m).to(idx), cols.to(idx), self.values, size=(m, n),
                                          check_invariants=False)
-        self._s_t = torch.sparse_csr_tensor(_offsets(cols, n).to(idx), rows[self._order].to(idx), self._values_t,
+        self._s_t = torch.sparse_csr_tensor(_offsets(cols, n).to(idx), rows[order].to(idx), self._values_t,
                                             size=(n, m), check_invariants=False)
 
     def sample(self, x: Tensor, y: Tensor, alpha: float = 1.0) -> Tensor:
@@ -131,7 +134,7 @@ class PlainAdam:
     preallocated moment buffers, for parameters whose gradients the caller writes into ``grads``.
 
     The same arithmetic as ``torch.optim.Adam``'s single-tensor step (step for step the same values:
-    tests/test_safe_merge.py), without its per-step dispatch, which costs more than the sparse
+    tests/test_policies.py), without its per-step dispatch, which costs more than the sparse
     products of a recovery step on a 2048x4096 matrix (about 1.8 ms against 0.1 ms per step).
 
     Args:
@@ -169,7 +172,8 @@ def _offsets(index: Tensor, size: int) -> Tensor:
 
 def masked_recovery(tau: Tensor, mask: Tensor, delta_prev: Tensor | None, *, rank: int, steps: int,
                     lambda_old: float, lr_scale: float, k_new: int, k_old: int,
-                    seed: int = 0) -> tuple[Tensor, list[float]]:
+                    seed: int = 0, in_place: bool = False,
+                    ctx: TensorContext | None = None) -> tuple[Tensor, list[float]]:
     """Steps 5-6: D = M⊙τ + M⊙(BA) with A, B fitted by Adam on the data-free objective.
 
     The objective L = ‖(D − τ) V_new‖²_F + λ_old ‖D V_old‖²_F is written as ‖P + C W‖²_F with
@@ -183,20 +187,26 @@ def masked_recovery(tau: Tensor, mask: Tensor, delta_prev: Tensor | None, *, ran
         mask: (m, n) bool risk-aware mask M.
         delta_prev: Δ_{t−1} (m, n) float32, or None / all zeros at the first fold (L_old skipped).
         rank: r of the correction; steps: Adam steps (0 = no recovery).
+        in_place: build D in ``tau``'s memory (τ is lost) instead of fresh memory.
+        ctx: its scratch buffer (slot ``safe.rest``) holds the one (m, n) temporary.
 
     Returns:
         D (m, n) float32, zero outside M; and the loss after each step (first = before any step;
         empty when there is no recovery: ``steps`` or ``rank`` 0, or an empty mask).
     """
-    d0 = tau.masked_fill(~mask, 0.0)  # M⊙τ (a third of torch.where's time with a 0-d zero)
-    if steps <= 0 or rank <= 0:
-        return d0, []
-    pattern = KeptPattern(mask)
-    if pattern.nnz == 0:
-        return d0, []
+    ctx = ctx or TensorContext("")
+    pattern = KeptPattern(mask) if steps > 0 and rank > 0 else None
+    if pattern is None or pattern.nnz == 0:
+        return (tau.masked_fill_ if in_place else tau.masked_fill)(~mask, 0.0), []
     m, n = tau.shape
     _, v_new = top_singular(tau, k_new, seed=seed)
-    w, p = [v_new], [(d0 - tau) @ v_new]  # constant part of (D − τ) V_new (exactly 0 on the kept entries)
+    # constant part of (D − τ) V_new = −(τ off the mask) V_new (exactly 0 on the kept entries)
+    rest = ctx.scratch("safe.rest", tau.shape, device=tau.device).copy_(tau).masked_fill_(mask, 0.0)
+    p_new = torch.mm(rest, v_new).neg_()
+    del rest
+    lr = lr_scale * float(tau.std()) if tau.numel() > 1 else lr_scale
+    d0 = (tau.masked_fill_ if in_place else tau.masked_fill)(~mask, 0.0)  # M⊙τ
+    w, p = [v_new], [p_new]
     if lambda_old > 0 and delta_prev is not None and bool(delta_prev.any()):
         _, v_old = top_singular(delta_prev, k_old, seed=seed + 1)
         w.append(v_old * lambda_old**0.5)
@@ -208,7 +218,6 @@ def masked_recovery(tau: Tensor, mask: Tensor, delta_prev: Tensor | None, *, ran
     b = torch.zeros(m, rank, device=tau.device)
     a_t, grad_a_t = a.T.contiguous(), torch.empty(n, rank, device=tau.device)
     resid = torch.empty_like(p_all)
-    lr = lr_scale * float(tau.std()) if tau.numel() > 1 else lr_scale
     opt = PlainAdam([a, b], lr=max(lr, 1e-12))
     grad_a, grad_b = opt.grads
     losses: list[float] = []
@@ -262,14 +271,15 @@ class SafeMerge(Policy):
         p = self.params
         structured = tau.ndim == 2 and not ctx.is_embedding and min(tau.shape) >= 2 * p.k
         if not structured:
-            mask = magnitude_mask(tau.abs(), p.rho)
+            mask = magnitude_mask(torch.abs(tau, out=ctx.scratch("safe.score", tau.shape, device=tau.device)), p.rho)
             stats = {"kept": float(torch.count_nonzero(mask))}  # 1/40 of bool sum()'s time
             if p.iso_alpha > 0 and merges_isotropically(tau, ctx):  # D = M ⊙ τ
                 delta, kept = isotropic_fold(tau.mul_(mask), base, backbone, state, ctx, p.iso_alpha)
                 return TensorFold(delta, {**state, "sum": kept}, stats)
             return TensorFold(tau.mul_(mask).mul_(p.lam), {}, stats)
         new_state = state
-        delta_prev = backbone - base if ctx.n_previous > 0 else None
+        delta_prev = torch.sub(backbone, base, out=ctx.scratch("safe.delta_prev", tau.shape, device=tau.device)) \
+            if ctx.n_previous > 0 else None
         if p.project_rank > 0 and delta_prev is not None and bool(delta_prev.any()):
             up, vp = top_singular(delta_prev, p.project_rank, seed=ctx.seed + 2)
             tau.addmm_(up @ ((up.T @ tau) @ vp), vp.T, alpha=-1.0)  # τ' = τ − U_r U_rᵀ τ V_r V_rᵀ
@@ -277,14 +287,15 @@ class SafeMerge(Policy):
             if "U0" not in state:
                 u0, v0 = top_singular(base, p.k, seed=ctx.seed)
                 new_state = {"U0": u0, "V0": v0}
-            risk = risk_scores(tau, new_state["U0"], new_state["V0"], p.k_s, seed=ctx.seed)
+            risk = risk_scores(tau, new_state["U0"], new_state["V0"], p.k_s, seed=ctx.seed, ctx=ctx)
             score = risk.neg_().add_(1.0).mul_(tau).abs_()  # (1 − r)·|τ|, as 1 − r ≥ 0
         else:
-            score = tau.abs()
+            score = torch.abs(tau, out=ctx.scratch("safe.score", tau.shape, device=tau.device))
         mask = magnitude_mask(score, p.rho)
         del score
         d, losses = masked_recovery(tau, mask, delta_prev, rank=p.rank, steps=p.steps, lambda_old=p.lambda_old,
-                                    lr_scale=p.lr_scale, k_new=p.k_new, k_old=p.k_old, seed=ctx.seed)
+                                    lr_scale=p.lr_scale, k_new=p.k_new, k_old=p.k_old, seed=ctx.seed,
+                                    in_place=True, ctx=ctx)
         stats = {"kept": float(torch.count_nonzero(mask))}  # 1/40 of bool sum()'s time
         if losses:
             stats.update(recovery_loss_first=losses[0], recovery_loss_last=losses[-1])
