@@ -71,7 +71,7 @@ def test_streamed_folds_equal_the_offline_iso_c_of_the_set_in_any_order(tmp_path
 
 
 def test_state_is_one_running_sum_in_the_checkpoint_width():
-    p = make_policy("iso_c", {"alpha": 1.0})
+    p = make_policy("iso_c", {"alpha": 1.0, "lambda": 0.3})
     b = torch.zeros(6, 5)
     t1, t2 = torch.randn(6, 5), torch.randn(6, 5)
     for dtype, want in ((torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torch.float32, torch.float32)):
