@@ -112,9 +112,10 @@ class KeptPattern:
         idx = torch.int32 if max(self.nnz, m, n) < 2**31 - 1 else torch.int64
         # row-major -> column-major order of the same entries: a stable sort by column of entries
         # already in row order (a third of an argsort of col·m + row)
-        order = torch.sort(cols.to(idx), stable=True).indices
+        cols_i = cols.to(idx)
+        order = torch.sort(cols_i, stable=True).indices
         self._order = order.to(idx)
-        self.s = torch.sparse_csr_tensor(_offsets(rows, m).to(idx), cols.to(idx), self.values, size=(m, n),
+        self.s = torch.sparse_csr_tensor(_offsets(rows, m).to(idx), cols_i, self.values, size=(m, n),
                                          check_invariants=False)
         self._s_t = torch.sparse_csr_tensor(_offsets(cols, n).to(idx), rows[order].to(idx), self._values_t,
                                             size=(n, m), check_invariants=False)
