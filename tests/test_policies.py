@@ -225,6 +225,65 @@ def test_magnitude_mask_keeps_exactly_the_top_scores(rho, ties, monkeypatch):
     assert not magnitude_mask(score, 1e-9).any() and magnitude_mask(score, 1.0).all()
 
 
+def _gapped(m, n, rank, seed, scale=1.0):
+    """(m, n) float32 of rank-``rank`` signal (singular values 10..5) plus 1e-3 noise: a clear gap
+    after the rank-th singular value, so randomised subspace iteration converges to the exact one."""
+    g = torch.Generator().manual_seed(seed)
+    u = torch.linalg.qr(torch.randn(m, rank, generator=g)).Q
+    v = torch.linalg.qr(torch.randn(n, rank, generator=g)).Q
+    return scale * ((u * torch.linspace(10, 5, rank)) @ v.T + 1e-3 * torch.randn(m, n, generator=g))
+
+
+@pytest.mark.parametrize("shape", [(300, 700), (700, 300)])
+def test_randomized_svd_projected_is_the_svd_of_the_formed_projection(shape):
+    """Top-k triplets of (I − U₀U₀ᵀ) a (I − V₀V₀ᵀ) without forming it: the same subspaces and
+    singular values as an exact SVD of the formed matrix, U ⊥ U₀, V ⊥ V₀, and Uᵀ a V = diag(σ)."""
+    from mergestream.policies.lowrank import exact_top_singular, randomized_svd_projected
+
+    m, n = shape
+    u0, v0 = exact_top_singular(_gapped(m, n, 12, seed=1), 12)
+    k = 20  # a⊥ keeps the rank-20 signal's gap: σ₂₀ ~ 5 against noise ~ 0.03
+    a = _gapped(m, n, k, seed=2) + u0 @ torch.randn(12, n) + torch.randn(m, 12) @ v0.T  # mass inside U₀, V₀ too
+    u, s, v = randomized_svd_projected(a, u0, v0, k, oversample=10, niter=3, seed=0)
+    assert u.shape == (m, k) and s.shape == (k,) and v.shape == (n, k)
+    perp = a.double() - u0.double() @ (u0.double().T @ a.double())
+    perp = perp - (perp @ v0.double()) @ v0.double().T
+    ur, sr, vhr = torch.linalg.svd(perp, full_matrices=False)
+    assert torch.allclose(s.double(), sr[:k], rtol=1e-4)
+    assert torch.allclose(u.double() @ u.double().T, ur[:, :k] @ ur[:, :k].T, atol=1e-4)
+    assert torch.allclose(v.double() @ v.double().T, vhr[:k].T @ vhr[:k], atol=1e-4)
+    assert float((u0.T @ u).abs().max()) < 1e-5 and float((v0.T @ v).abs().max()) < 1e-5
+    assert torch.allclose(u.T @ a @ v, torch.diag(s), atol=1e-4 * float(s[0]))
+
+
+def test_safe_merge_risk_above_the_exact_side_equals_the_formed_tau_perp(monkeypatch):
+    """Above EXACT_MAX_SIDE the risk never forms τ_⊥ and takes S = U_s diag(σ_s) V_sᵀ: the same risk
+    as the formula of METHODS.md §safe_merge steps 2-3 written out with τ_⊥ formed and exact SVDs."""
+    from mergestream.policies import safe_merge
+    from mergestream.policies.lowrank import exact_top_singular
+
+    m, n, k, k_s = 260, 380, 10, 6
+    u0, v0 = exact_top_singular(_gapped(m, n, k, seed=3), k)
+    tau = _gapped(m, n, k_s, seed=4, scale=0.01) + 0.003 * (u0 @ torch.randn(k, n) + torch.randn(m, k) @ v0.T)
+    td, ud, vd = tau.double(), u0.double(), v0.double()
+    perp = td - ud @ (ud.T @ td)
+    perp = perp - (perp @ vd) @ vd.T
+    ur, _, vhr = torch.linalg.svd(perp, full_matrices=False)
+    us, vs = ur[:, :k_s], vhr[:k_s].T
+    g_ = (ud @ ud.T @ td @ vd @ vd.T).abs()
+    s_ = (us @ us.T @ td @ vs @ vs.T).abs()
+    want = g_ / (g_ + s_ + 1e-12)
+    monkeypatch.setattr(safe_merge, "EXACT_MAX_SIDE", 100)  # this matrix takes the randomised path
+    got = safe_merge.risk_scores(tau, u0, v0, k_s).double()
+    # r is a ratio of small numbers where both |G| and |S| are near 0; compare where either is not
+    big = (g_ + s_) > 1e-3 * float((g_ + s_).max())
+    assert big.float().mean() > 0.5
+    assert torch.allclose(got[big], want[big], atol=2e-3)
+    mask_got = magnitude_mask(((1 - got) * td.abs()).float(), 0.1)
+    mask_want = magnitude_mask(((1 - want) * td.abs()).float(), 0.1)
+    assert float((mask_got & mask_want).sum()) / float(mask_want.sum()) > 0.995
+
+
 def test_safe_merge_recovery_loss_decreases():
     base, tau = _safe_inputs()
     mask = magnitude_mask(tau.abs(), 0.1)

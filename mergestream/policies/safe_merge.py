@@ -28,7 +28,10 @@ Tensors that are not 2-D, 2-D tensors with min(shape) < 2k, and embedding matric
 with the same ρ, no recovery (our choice, METHODS.md). Randomised SVD (subspace iteration with 3
 power iterations and 10 oversampling columns, Halko et al. 2011 Alg. 4.4:
 :func:`.lowrank.randomized_svd`) computes the top singular vectors; an exact float64 one
-(:func:`.lowrank.exact_top_singular`) at or below 512 on the short side — our choice.
+(:func:`.lowrank.exact_top_singular`) at or below 512 on the short side — our choice. Above that
+size τ_⊥ of step 2 is never formed (its subspace iteration projects around products with τ,
+:func:`.lowrank.randomized_svd_projected`), and S of step 3 is U_s diag(σ_s) V_sᵀ, the same matrix
+since U_s ⊥ U₀ and V_s ⊥ V₀.
 """
 
 from __future__ import annotations
@@ -40,12 +43,17 @@ from pydantic import Field
 
 from .base import Policy, PolicyParams, Tensor, TensorContext, TensorFold, TensorState
 from .iso_c import isotropic_fold, merges_isotropically
-from .lowrank import exact_top_singular, randomized_svd
+from .lowrank import exact_top_singular, randomized_svd, randomized_svd_projected
 from .masks import magnitude_mask
 
 # torch marks sparse CSR as beta and says so on the first CSR tensor; the recovery depends only on
 # sampled_addmm and CSR @ dense, which the tests check against the dense formulation.
 warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta", category=UserWarning)
+
+
+#: Largest short side at which SAFE-Merge computes top singular vectors exactly (float64); above it,
+#: randomised subspace iteration (module docstring).
+EXACT_MAX_SIDE = 512
 
 
 def top_singular(w: Tensor, k: int, *, seed: int = 0) -> tuple[Tensor, Tensor]:
@@ -61,43 +69,65 @@ def top_singular(w: Tensor, k: int, *, seed: int = 0) -> tuple[Tensor, Tensor]:
     k = min(k, *w.shape)
     if k == 0:
         return w.new_zeros(w.shape[0], 0), w.new_zeros(w.shape[1], 0)
-    if min(w.shape) <= 512:
+    if min(w.shape) <= EXACT_MAX_SIDE:
         return exact_top_singular(w, k)
     # a private generator: fold workers run this concurrently, and reseeding torch's global one per
     # call both raced between them and cost 7% of a 1 GiB fold
-    u, v = randomized_svd(w, k, oversample=10, niter=3, seed=seed)
+    u, v = randomized_svd(w, k, oversample=RSVD_OVERSAMPLE, niter=RSVD_NITER, seed=seed)
     return u.contiguous(), v.contiguous()
+
+
+RSVD_OVERSAMPLE, RSVD_NITER = 10, 3  # the randomised SVD's settings (module docstring)
 
 
 def risk_scores(tau: Tensor, u0: Tensor, v0: Tensor, k_s: int, eps: float = 1e-12, seed: int = 0,
                 ctx: TensorContext | None = None) -> Tensor:
     """General-knowledge risk r ∈ [0, 1] per entry (steps 2-3 above); (m, n) float32.
 
-    With ``ctx``, the two (m, n) temporaries and the result live in its scratch buffers (slots
+    Above :data:`EXACT_MAX_SIDE`, τ_⊥'s top-k_s triplets come from subspace iteration on the
+    projections of τ (:func:`.lowrank.randomized_svd_projected`), and S = U_s diag(σ_s) V_sᵀ, which
+    equals U_sU_sᵀ τ V_sV_sᵀ because U_s ⊥ U₀ and V_s ⊥ V₀: τ_⊥ is never formed, a third fewer
+    (m, n)-sized products. At or below it, τ_⊥ is formed for the exact float64 SVD.
+
+    With ``ctx``, the (m, n) temporaries and the result live in its scratch buffers (slots
     ``safe.perp`` and ``safe.risk``): the result is valid until this thread's next call."""
     ctx = ctx or TensorContext("")
     x = u0.T @ tau  # (k, n)
     core = x @ v0  # U₀ᵀ τ V₀, (k, k)
-    # τ_⊥ = τ − U₀U₀ᵀτ − (τV₀ − U₀U₀ᵀτV₀)V₀ᵀ, formed in one (m, n) buffer
-    perp = torch.addmm(tau, u0, x, alpha=-1.0, out=ctx.scratch("safe.perp", tau.shape, device=tau.device))
-    perp.addmm_(torch.addmm(tau @ v0, u0, core, alpha=-1.0), v0.T, alpha=-1.0)
+    perp = ctx.scratch("safe.perp", tau.shape, device=tau.device)
+    if min(tau.shape) <= EXACT_MAX_SIDE:
+        # τ_⊥ = τ − U₀U₀ᵀτ − (τV₀ − U₀U₀ᵀτV₀)V₀ᵀ, formed in one (m, n) buffer
+        torch.addmm(tau, u0, x, alpha=-1.0, out=perp)
+        perp.addmm_(torch.addmm(tau @ v0, u0, core, alpha=-1.0), v0.T, alpha=-1.0)
+        us, vs = top_singular(perp, k_s, seed=seed)
+        s_left = us @ (us.T @ tau @ vs)
+    else:
+        us, sig, vs = randomized_svd_projected(tau, u0, v0, min(k_s, *tau.shape), oversample=RSVD_OVERSAMPLE,
+                                               niter=RSVD_NITER, seed=seed)
+        s_left = us * sig
     del x
-    us, vs = top_singular(perp, k_s, seed=seed)
     g = torch.mm(u0 @ core, v0.T, out=ctx.scratch("safe.risk", tau.shape, device=tau.device))  # U₀U₀ᵀτV₀V₀ᵀ
-    s = torch.mm(us @ (us.T @ tau @ vs), vs.T, out=perp)  # S = U_sU_sᵀ τ V_sV_sᵀ, in τ_⊥'s buffer
+    s = torch.mm(s_left, vs.T, out=perp)  # S = U_sU_sᵀ τ V_sV_sᵀ, in τ_⊥'s buffer
     g.abs_()
     return g.div_(s.abs_().add_(g).add_(eps))
 
 
 class KeptPattern:
-    """The kept entries of a mask M (m, n) as a sparse CSR matrix S whose values are rewritten in place.
+    """The kept entries of a mask M (m, n) as sparse CSR matrices S (m, n) and Sᵀ (n, m) whose values
+    are rewritten in place.
 
     The masked recovery only ever needs M ⊙ (X Y) and products of such a sparse matrix (or its
     transpose) with dense ones, so it works on the ρ·m·n kept entries instead of dense (m, n)
-    products. ``sample`` sets S = α·M⊙(X Y) (``torch.sparse.sampled_addmm`` into S's own values),
-    ``transposed`` gives Sᵀ as CSR with the same values; both reuse buffers allocated once, so the
-    Adam loop allocates nothing of size ρ·m·n per step. ``values`` (nnz,) float32 is in row-major
-    order of the kept entries (the order of ``mask.reshape(-1).nonzero()``).
+    products. ``sample`` sets S = α·M⊙(X Y) (``torch.sparse.sampled_addmm`` into S's own values);
+    Sᵀ as CSR comes either from sampling it directly (``sample_t``) or from gathering S's values into
+    column order (``transposed``): the gather costs the same whatever k, the sampling grows with k
+    and is cheaper below about 24 columns (1.9 against 3 ms per 1.1M kept entries at k = 8, single
+    thread). All reuse buffers allocated once, so the Adam loop allocates nothing of size ρ·m·n per
+    step. ``values`` (nnz,) float32 is S's, in row-major order of the kept entries (the order of
+    ``mask.reshape(-1).nonzero()``, kept in ``flat``).
+
+    The right-hand factor of a product is best passed as the transposed view of a contiguous
+    (n, k) matrix: ``sampled_addmm`` works on that layout and copies any other one first.
     """
 
     def __init__(self, mask: Tensor, dtype: torch.dtype = torch.float32) -> None:
@@ -106,28 +136,32 @@ class KeptPattern:
         rows, cols = self.flat // n, self.flat % n
         self.nnz = int(self.flat.numel())
         self.values = torch.zeros(self.nnz, dtype=dtype, device=mask.device)
-        self._values_t = torch.zeros_like(self.values)
         # int32 indices where they fit: the sparse kernels convert int64 ones on every call (a fresh
         # nnz-sized buffer per product), and index_select gathers Sᵀ's values 1.5x faster with them
         idx = torch.int32 if max(self.nnz, m, n) < 2**31 - 1 else torch.int64
-        # row-major -> column-major order of the same entries: a stable sort by column of entries
-        # already in row order (a third of an argsort of col·m + row)
+        # column-major order of the same entries: a stable sort by column of entries already in row
+        # order (a third of an argsort of col·m + row)
         cols_i = cols.to(idx)
         order = torch.sort(cols_i, stable=True).indices
         self._order = order.to(idx)
         self.s = torch.sparse_csr_tensor(_offsets(rows, m).to(idx), cols_i, self.values, size=(m, n),
                                          check_invariants=False)
-        self._s_t = torch.sparse_csr_tensor(_offsets(cols, n).to(idx), rows[order].to(idx), self._values_t,
-                                            size=(n, m), check_invariants=False)
+        self.s_t = torch.sparse_csr_tensor(_offsets(cols, n).to(idx), rows[order].to(idx),
+                                           torch.zeros_like(self.values), size=(n, m), check_invariants=False)
 
     def sample(self, x: Tensor, y: Tensor, alpha: float = 1.0) -> Tensor:
         """Set S = alpha · M⊙(x @ y) for x (m, k), y (k, n) and return S (sparse CSR (m, n))."""
         return torch.sparse.sampled_addmm(self.s, x, y, beta=0.0, alpha=alpha, out=self.s)
 
+    def sample_t(self, x: Tensor, y: Tensor, alpha: float = 1.0) -> Tensor:
+        """Set Sᵀ = alpha · Mᵀ⊙(x @ y) for x (n, k), y (k, m) and return Sᵀ (sparse CSR (n, m));
+        S's own values are left alone."""
+        return torch.sparse.sampled_addmm(self.s_t, x, y, beta=0.0, alpha=alpha, out=self.s_t)
+
     def transposed(self) -> Tensor:
-        """Sᵀ (sparse CSR (n, m)) holding S's current values."""
-        torch.index_select(self.values, 0, self._order, out=self._values_t)
-        return self._s_t
+        """Sᵀ (sparse CSR (n, m)) holding S's current values (gathered into column order)."""
+        torch.index_select(self.values, 0, self._order, out=self.s_t.values())
+        return self.s_t
 
 
 class PlainAdam:
@@ -162,6 +196,11 @@ class PlainAdam:
             v.mul_(b2).addcmul_(g, g, value=1 - b2)  # second moment
             torch.sqrt(v, out=d).div_(bias2_sqrt).add_(self.eps)
             p.addcdiv_(m, d, value=-self.lr / bias1)
+
+
+#: Widest W (columns K) for which the recovery samples Gᵀ directly rather than gathering G's values
+#: (:class:`KeptPattern`): K = k_new at the first fold (8 by default), k_new + k_old (72) later.
+_SAMPLE_T_MAX_K = 24
 
 
 def _offsets(index: Tensor, size: int) -> Tensor:
@@ -212,29 +251,30 @@ def masked_recovery(tau: Tensor, mask: Tensor, delta_prev: Tensor | None, *, ran
         _, v_old = top_singular(delta_prev, k_old, seed=seed + 1)
         w.append(v_old * lambda_old**0.5)
         p.append((d0 @ v_old) * lambda_old**0.5)
-    w_all, p_all = torch.cat(w, 1), torch.cat(p, 1)
-    w_t = w_all.T.contiguous()
+    w_all, p_all = torch.cat(w, 1), torch.cat(p, 1)  # W (n, K) contiguous, P (m, K)
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    a = (torch.randn(rank, n, generator=gen) / rank**0.5).to(tau.device)
+    # A (r, n) is kept as its transpose Aᵀ (n, r): the layout the sampled products read without a
+    # copy; Adam is element-wise, so updating Aᵀ with dL/dAᵀ is the same as updating A with dL/dA
+    a_t = (torch.randn(rank, n, generator=gen) / rank**0.5).T.contiguous().to(tau.device)
     b = torch.zeros(m, rank, device=tau.device)
-    a_t, grad_a_t = a.T.contiguous(), torch.empty(n, rank, device=tau.device)
     resid = torch.empty_like(p_all)
-    opt = PlainAdam([a, b], lr=max(lr, 1e-12))
-    grad_a, grad_b = opt.grads
+    opt = PlainAdam([a_t, b], lr=max(lr, 1e-12))
+    grad_a_t, grad_b = opt.grads
     losses: list[float] = []
     with torch.no_grad():
         for _ in range(steps + 1):
-            torch.mm(pattern.sample(b, a), w_all, out=resid).add_(p_all)  # R = P + C W, (m, K)
+            torch.mm(pattern.sample(b, a_t.T), w_all, out=resid).add_(p_all)  # R = P + C W, (m, K)
             flat_r = resid.view(-1)
             losses.append(float(torch.dot(flat_r, flat_r)))
             if len(losses) > steps:
                 break
-            g = pattern.sample(resid, w_t, alpha=2.0)  # G = M ⊙ 2 R Wᵀ
-            torch.mm(g, a_t.copy_(a.T), out=grad_b)
-            torch.mm(pattern.transposed(), b, out=grad_a_t)
-            grad_a.copy_(grad_a_t.T)
+            # G = M ⊙ 2 R Wᵀ: dL/dB = G Aᵀ, dL/dAᵀ = Gᵀ B with Gᵀ = Mᵀ ⊙ 2 W Rᵀ
+            torch.mm(pattern.sample(resid, w_all.T, alpha=2.0), a_t, out=grad_b)
+            g_t = pattern.sample_t(w_all, resid.T, alpha=2.0) if w_all.shape[1] <= _SAMPLE_T_MAX_K \
+                else pattern.transposed()
+            torch.mm(g_t, b, out=grad_a_t)
             opt.step()
-        pattern.sample(b, a)
+        pattern.sample(b, a_t.T)
         d0.view(-1).index_add_(0, pattern.flat, pattern.values)
     return d0, losses
 
