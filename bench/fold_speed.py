@@ -1156,9 +1156,10 @@ def main(argv: list[str] | None = None) -> int:
                     plan.append((row_key(ctx.size, "mergestream-ray", policy, f"workers={n}"),
                                  lambda p=policy, s=sets, nt=note, n=n: run_mergestream_ray(ctx, p, s, nt, n),
                                  args.repeat_slow if slow else args.repeat))
-            if policy == "task_arithmetic":
+            if policy in ("task_arithmetic", "safe_merge"):  # SAFE-Merge's later folds add L_old (W of k_new + k_old)
                 plan.append((row_key(ctx.size, "mergestream", policy + " (later fold)", ""),
-                             lambda p=policy, s=sets: run_mergestream(ctx, p, s, later=True), args.repeat))
+                             lambda p=policy, s=sets: run_mergestream(ctx, p, s, later=True),
+                             args.repeat_slow if slow else args.repeat))
         if not args.no_mergekit and not ta_only:
             for method in (m for m in MERGEKIT_METHODS if m in args.policies):  # the peers of the rows asked for
                 plan.append((row_key(ctx.size, "mergekit", method, ""),
@@ -1247,7 +1248,8 @@ def write_markdown(path: Path, results: Results) -> None:
                      f"{(r.written_bytes or 0) / GB:.2f} | {len(r.extra.get('samples', [])) or 1} |")
     lines += ["", "## Ratios (medians, same run)", "",
               "| size | TA / mergekit TA | TA CPU / mergekit CPU | TA / copy floor (fsync) | later TA / mergekit TA | "
-              "TIES / mergekit TIES | MDM-OC / TA | SAFE-Merge / TA |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              "TIES / mergekit TIES | MDM-OC / TA | SAFE-Merge / TA | later SAFE-Merge / later TA |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     by = {(r.size, r.tool, r.policy, r.params if r.tool == "floor" else ""): r for r in results.rows if not r.error}
     for size in dict.fromkeys(r.size for r in results.rows):
         def sec(tool, policy, params=""):
@@ -1269,7 +1271,8 @@ def write_markdown(path: Path, results: Results) -> None:
                      f"{ratio(sec('mergestream', 'task_arithmetic (later fold)'), sec('mergekit', 'task_arithmetic'))} | "
                      f"{ratio(sec('mergestream', 'ties'), sec('mergekit', 'ties'))} | "
                      f"{ratio(sec('mergestream', 'mdm_oc'), ta)} | "
-                     f"{ratio(safe.seconds if safe else None, ta)}{' (' + safe.params + ')' if safe else ''} |")
+                     f"{ratio(safe.seconds if safe else None, ta)}{' (' + safe.params + ')' if safe else ''} | "
+                     f"{ratio(sec('mergestream', 'safe_merge (later fold)'), sec('mergestream', 'task_arithmetic (later fold)'))} |")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
 
