@@ -939,6 +939,9 @@ def mergestream_source(args: argparse.Namespace) -> tuple[dict[str, str] | None,
         archive = subprocess.run(["git", "-C", str(REPO), "archive", sha, "mergestream"], capture_output=True,
                                  check=True).stdout
         subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    # bytecode, as an installed package has: otherwise, where PYTHONDONTWRITEBYTECODE is set, every
+    # timed child compiles the modules it imports again
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(dest / "mergestream")], check=True)
     info.update(source=f"git snapshot {sha}", rev=args.rev, commit=sha, path=str(dest))
     return dict(os.environ, PYTHONPATH=str(dest)), info
 

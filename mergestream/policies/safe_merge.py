@@ -235,17 +235,18 @@ def masked_recovery(tau: Tensor, mask: Tensor, delta_prev: Tensor | None, *, ran
         empty when there is no recovery: ``steps`` or ``rank`` 0, or an empty mask).
     """
     ctx = ctx or TensorContext("")
+    zero = tau.new_zeros(())
     pattern = KeptPattern(mask) if steps > 0 and rank > 0 else None
     if pattern is None or pattern.nnz == 0:
-        return (tau.masked_fill_ if in_place else tau.masked_fill)(~mask, 0.0), []
+        return torch.where(mask, tau, zero, out=tau if in_place else None), []
     m, n = tau.shape
     _, v_new = top_singular(tau, k_new, seed=seed)
     # constant part of (D − τ) V_new = −(τ off the mask) V_new (exactly 0 on the kept entries)
-    rest = ctx.scratch("safe.rest", tau.shape, device=tau.device).copy_(tau).masked_fill_(mask, 0.0)
+    rest = torch.where(mask, zero, tau, out=ctx.scratch("safe.rest", tau.shape, device=tau.device))
     p_new = torch.mm(rest, v_new).neg_()
     del rest
     lr = lr_scale * float(tau.std()) if tau.numel() > 1 else lr_scale
-    d0 = (tau.masked_fill_ if in_place else tau.masked_fill)(~mask, 0.0)  # M⊙τ
+    d0 = torch.where(mask, tau, zero, out=tau if in_place else None)  # M⊙τ in one pass (no ~M)
     w, p = [v_new], [p_new]
     if lambda_old > 0 and delta_prev is not None and bool(delta_prev.any()):
         _, v_old = top_singular(delta_prev, k_old, seed=seed + 1)
