@@ -7,7 +7,9 @@ For each model size this script
    ``LlamaForCausalLM`` and safetensors weights (bf16 by default; sharded with an index when a
    model exceeds 1 GiB);
 2. times ``mergestream fold`` (a first fold: backbone = base) for each policy, each in a fresh
-   child process with a fresh state and output folder;
+   child process with a fresh state and output folder; for Task Arithmetic and SAFE-Merge also a
+   later fold (the same expert folded onto the output of an untimed first fold: SAFE-Merge's
+   later folds add the L_old term, whose W is k_new + k_old = 72 columns wide instead of 8);
 3. times ``mergekit-yaml`` with ``task_arithmetic`` (weight 1, lambda 0.3) and ``ties``
    (density 0.2, weight 1, lambda 1) on the same inputs, from a separate virtual environment;
 4. times the floor: read base and expert once, then copy the base's weight files to a new folder
