@@ -321,8 +321,14 @@ def _dense_recovery(tau, mask, delta_prev, *, rank, steps, lambda_old, lr_scale,
     return (d0 + (b @ a) * mf).detach(), losses
 
 
+@pytest.mark.parametrize("transpose", ["sampled", "gathered"])
 @pytest.mark.parametrize("with_previous,rho", [(False, 0.1), (True, 0.1), (True, 0.5), (False, 1.0)])
-def test_safe_merge_sparse_recovery_equals_the_dense_formulation(with_previous, rho):
+def test_safe_merge_sparse_recovery_equals_the_dense_formulation(with_previous, rho, transpose, monkeypatch):
+    """Both ways to Gᵀ (sampled on Sᵀ's pattern for narrow W, S's values gathered for wide W) give
+    the dense formulation's D and losses."""
+    from mergestream.policies import safe_merge
+
+    monkeypatch.setattr(safe_merge, "_SAMPLE_T_MAX_K", 1000 if transpose == "sampled" else 0)
     base, tau = _safe_inputs(m=150, n=170, seed=3)
     mask = magnitude_mask(tau.abs(), rho)
     prev = 0.02 * torch.randn(tau.shape, generator=torch.Generator().manual_seed(4)) if with_previous else None

@@ -54,6 +54,7 @@ warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta"
 #: Largest short side at which SAFE-Merge computes top singular vectors exactly (float64); above it,
 #: randomised subspace iteration (module docstring).
 EXACT_MAX_SIDE = 512
+RSVD_OVERSAMPLE, RSVD_NITER = 10, 3  # the randomised SVD's settings above it (module docstring)
 
 
 def top_singular(w: Tensor, k: int, *, seed: int = 0) -> tuple[Tensor, Tensor]:
@@ -75,9 +76,6 @@ def top_singular(w: Tensor, k: int, *, seed: int = 0) -> tuple[Tensor, Tensor]:
     # call both raced between them and cost 7% of a 1 GiB fold
     u, v = randomized_svd(w, k, oversample=RSVD_OVERSAMPLE, niter=RSVD_NITER, seed=seed)
     return u.contiguous(), v.contiguous()
-
-
-RSVD_OVERSAMPLE, RSVD_NITER = 10, 3  # the randomised SVD's settings (module docstring)
 
 
 def risk_scores(tau: Tensor, u0: Tensor, v0: Tensor, k_s: int, eps: float = 1e-12, seed: int = 0,
