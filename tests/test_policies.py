@@ -234,18 +234,22 @@ def _gapped(m, n, rank, seed, scale=1.0):
     return scale * ((u * torch.linspace(10, 5, rank)) @ v.T + 1e-3 * torch.randn(m, n, generator=g))
 
 
+@pytest.mark.parametrize("product_dtype", [None, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("shape", [(300, 700), (700, 300)])
-def test_randomized_svd_projected_is_the_svd_of_the_formed_projection(shape):
+def test_randomized_svd_projected_is_the_svd_of_the_formed_projection(shape, product_dtype):
     """Top-k triplets of (I − U₀U₀ᵀ) a (I − V₀V₀ᵀ) without forming it: the same subspaces and
-    singular values as an exact SVD of the formed matrix, U ⊥ U₀, V ⊥ V₀, and Uᵀ a V = diag(σ)."""
+    singular values as an exact SVD of the formed matrix, U ⊥ U₀, V ⊥ V₀, and Uᵀ a V = diag(σ),
+    also with all but the last power-iteration product in bfloat16 (with every one in bfloat16,
+    U's projector was off by 2e-4)."""
     from mergestream.policies.lowrank import exact_top_singular, randomized_svd_projected
 
     m, n = shape
     u0, v0 = exact_top_singular(_gapped(m, n, 12, seed=1), 12)
     k = 20  # a⊥ keeps the rank-20 signal's gap: σ₂₀ ~ 5 against noise ~ 0.03
     a = _gapped(m, n, k, seed=2) + u0 @ torch.randn(12, n) + torch.randn(m, 12) @ v0.T  # mass inside U₀, V₀ too
-    u, s, v = randomized_svd_projected(a, u0, v0, k, oversample=10, niter=3, seed=0)
+    u, s, v = randomized_svd_projected(a, u0, v0, k, oversample=10, niter=3, seed=0, product_dtype=product_dtype)
     assert u.shape == (m, k) and s.shape == (k,) and v.shape == (n, k)
+    assert u.dtype == s.dtype == v.dtype == torch.float32
     perp = a.double() - u0.double() @ (u0.double().T @ a.double())
     perp = perp - (perp @ v0.double()) @ v0.double().T
     ur, sr, vhr = torch.linalg.svd(perp, full_matrices=False)
@@ -256,9 +260,11 @@ def test_randomized_svd_projected_is_the_svd_of_the_formed_projection(shape):
     assert torch.allclose(u.T @ a @ v, torch.diag(s), atol=1e-4 * float(s[0]))
 
 
-def test_safe_merge_risk_above_the_exact_side_equals_the_formed_tau_perp(monkeypatch):
+@pytest.mark.parametrize("product_dtype", [None, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_safe_merge_risk_above_the_exact_side_equals_the_formed_tau_perp(monkeypatch, product_dtype):
     """Above EXACT_MAX_SIDE the risk never forms τ_⊥ and takes S = U_s diag(σ_s) V_sᵀ: the same risk
-    as the formula of METHODS.md §safe_merge steps 2-3 written out with τ_⊥ formed and exact SVDs."""
+    as the formula of METHODS.md §safe_merge steps 2-3 written out with τ_⊥ formed and exact SVDs,
+    also with the subspace iteration's products in bfloat16 (``svd_products``)."""
     from mergestream.policies import safe_merge
     from mergestream.policies.lowrank import exact_top_singular
 
@@ -274,7 +280,7 @@ def test_safe_merge_risk_above_the_exact_side_equals_the_formed_tau_perp(monkeyp
     s_ = (us @ us.T @ td @ vs @ vs.T).abs()
     want = g_ / (g_ + s_ + 1e-12)
     monkeypatch.setattr(safe_merge, "EXACT_MAX_SIDE", 100)  # this matrix takes the randomised path
-    got = safe_merge.risk_scores(tau, u0, v0, k_s).double()
+    got = safe_merge.risk_scores(tau, u0, v0, k_s, product_dtype=product_dtype).double()
     # r is a ratio of small numbers where both |G| and |S| are near 0; compare where either is not
     big = (g_ + s_) > 1e-3 * float((g_ + s_).max())
     assert big.float().mean() > 0.5
@@ -283,6 +289,50 @@ def test_safe_merge_risk_above_the_exact_side_equals_the_formed_tau_perp(monkeyp
     mask_want = magnitude_mask(((1 - want) * td.abs()).float(), 0.1)
     assert float((mask_got & mask_want).sum()) / float(mask_want.sum()) > 0.995
 
+
+
+def test_svd_products_choice_follows_the_device():
+    """``svd_products``: float32 → None, bfloat16 → bfloat16, auto → bfloat16 exactly where the CPU
+    has native bfloat16 dot products (the capabilities torch reports for this machine)."""
+    from mergestream.policies.lowrank import native_low_precision_dtype
+
+    caps = torch.cpu.get_capabilities()
+    native = torch.bfloat16 if caps.get("avx512_bf16") or caps.get("amx_bf16") else None
+    assert native_low_precision_dtype("cpu") is native
+    cpu = torch.device("cpu")
+    assert make_policy("safe_merge", {}).product_dtype(cpu) is native  # the default is auto
+    assert make_policy("safe_merge", {"svd_products": "float32"}).product_dtype(cpu) is None
+    assert make_policy("safe_merge", {"svd_products": "bfloat16"}).product_dtype(cpu) is torch.bfloat16
+    with pytest.raises(PolicyError, match="svd_products"):
+        make_policy("safe_merge", {"svd_products": "float16"})
+
+
+def test_safe_merge_fold_with_bfloat16_products_matches_float32(monkeypatch):
+    """A first and a later SAFE-Merge fold of a matrix on the randomised path give the same mask
+    (≥ 99.5% of the kept entries), the same Δ on the entries both keep (within 5% of ‖Δ‖: the
+    recovery's Adam run starts from slightly different V_new, V_old) and the same U₀, V₀ subspaces
+    in the state with ``svd_products`` bfloat16 as with float32."""
+    from mergestream.policies import safe_merge
+
+    monkeypatch.setattr(safe_merge, "EXACT_MAX_SIDE", 100)
+    m, n = 240, 420
+    base = _gapped(m, n, 16, seed=5)
+    tau = _gapped(m, n, 8, seed=6, scale=0.01) + 0.002 * torch.randn(m, n, generator=torch.Generator().manual_seed(7))
+    backbone = base + 0.3 * _gapped(m, n, 8, seed=8, scale=0.01)
+    params = {"k": 16, "k_s": 8, "steps": 20, "k_old": 8}
+    for n_prev, bb in ((0, base), (1, backbone)):
+        ctx = lambda: TensorContext("layer.w", n_previous=n_prev, seed=3)  # noqa: E731
+        f32 = make_policy("safe_merge", {**params, "svd_products": "float32"}).fold_tensor(
+            base, bb, tau.clone(), {}, ctx())
+        b16 = make_policy("safe_merge", {**params, "svd_products": "bfloat16"}).fold_tensor(
+            base, bb, tau.clone(), {}, ctx())
+        kept32, kept16 = f32.delta != 0, b16.delta != 0
+        assert float((kept32 & kept16).sum()) / float(kept32.sum()) > 0.995
+        both = kept32 & kept16
+        assert float((b16.delta - f32.delta)[both].norm()) < 0.05 * float(f32.delta.norm())
+        for key in ("U0", "V0"):
+            a, b = f32.state[key], b16.state[key]
+            assert torch.allclose(a @ a.T, b @ b.T, atol=1e-4)
 
 def test_safe_merge_recovery_loss_decreases():
     base, tau = _safe_inputs()

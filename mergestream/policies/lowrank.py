@@ -14,7 +14,7 @@ from .base import Tensor
 
 
 def randomized_svd(a: Tensor, k: int, oversample: int | None = None, niter: int = 8,
-                   seed: int = 0) -> tuple[Tensor, Tensor]:
+                   seed: int = 0, product_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
     """Top-k singular vectors of ``a`` (m×n, float32) by randomized subspace iteration.
 
     The Gaussian test matrix comes from a private generator seeded with ``seed``: no global RNG is
@@ -29,16 +29,21 @@ def randomized_svd(a: Tensor, k: int, oversample: int | None = None, niter: int 
         a: (m, n) float32.
         k: number of vectors, at most min(m, n).
         oversample: extra test columns (default max(2k, 10)); niter: power iterations.
+        product_dtype: None, or a narrower dtype (``torch.bfloat16``) in which all power-iteration
+            products with ``a`` but the last are taken (float32 accumulation, through a copy of
+            ``a`` in that dtype: half of a's bytes more memory); the last one and the product that
+            gives σ and V stay in a's dtype. See :func:`native_low_precision_dtype`.
 
     Returns:
         U (m×k) and V (n×k) with orthonormal columns, a's dtype, on a's device (not contiguous).
     """
-    u, _, v = _subspace_iteration(a, None, None, k, oversample, niter, seed)
+    u, _, v = _subspace_iteration(a, None, None, k, oversample, niter, seed, product_dtype)
     return u, v
 
 
 def randomized_svd_projected(a: Tensor, u_out: Tensor, v_out: Tensor, k: int, oversample: int | None = None,
-                             niter: int = 8, seed: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+                             niter: int = 8, seed: int = 0, product_dtype: torch.dtype | None = None
+                             ) -> tuple[Tensor, Tensor, Tensor]:
     """Top-k singular triplets of a⊥ = (I − U Uᵀ) a (I − V Vᵀ) without forming a⊥.
 
     The same subspace iteration as :func:`randomized_svd` (Halko et al. 2011, Alg. 4.4), whose
@@ -50,30 +55,61 @@ def randomized_svd_projected(a: Tensor, u_out: Tensor, v_out: Tensor, k: int, ov
     Args:
         a: (m, n) float32.
         u_out: (m, p) and v_out: (n, p') with orthonormal columns: the subspaces projected out.
-        k: number of triplets, at most min(m, n); oversample, niter, seed: as :func:`randomized_svd`.
+        k: number of triplets, at most min(m, n); oversample, niter, seed, product_dtype: as
+            :func:`randomized_svd`.
 
     Returns:
         U (m×k) orthogonal to ``u_out``, σ (k,) descending, V (n×k) orthogonal to ``v_out``, with
         Uᵀ a⊥ V = diag(σ) (and so Uᵀ a V = diag(σ)) up to rounding.
     """
-    return _subspace_iteration(a, u_out, v_out, k, oversample, niter, seed)
+    return _subspace_iteration(a, u_out, v_out, k, oversample, niter, seed, product_dtype)
+
+
+def native_low_precision_dtype(device: torch.device | str) -> torch.dtype | None:
+    """``torch.bfloat16`` where ``device`` multiplies bfloat16 matrices natively (a CUDA device that
+    supports it; a CPU with AVX512-BF16 or AMX-BF16 instructions), else None.
+
+    There a bfloat16 product with float32 accumulation runs 2-3x faster than a float32 one (a
+    2048×5504 matrix times 74 columns, one thread: about 14 against 39 ms), while elsewhere it is
+    emulated and slower. A property of the machine, so the choice is the same on every run there.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else None
+    if device.type == "cpu":
+        caps = torch.cpu.get_capabilities()
+        return torch.bfloat16 if caps.get("avx512_bf16") or caps.get("amx_bf16") else None
+    return None
 
 
 def _subspace_iteration(a: Tensor, u_out: Tensor | None, v_out: Tensor | None, k: int, oversample: int | None,
-                        niter: int, seed: int) -> tuple[Tensor, Tensor, Tensor]:
-    """U, σ, V of the top-k block of (I − U_out U_outᵀ) a (I − V_out V_outᵀ) (None: no projection)."""
+                        niter: int, seed: int, product_dtype: torch.dtype | None = None
+                        ) -> tuple[Tensor, Tensor, Tensor]:
+    """U, σ, V of the top-k block of (I − U_out U_outᵀ) a (I − V_out V_outᵀ) (None: no projection).
+
+    With ``product_dtype``, the first 2·niter of the 2·niter + 1 products that steer the basis are
+    taken with a copy of ``a`` in that dtype (the QR after each restores orthonormality in a's
+    dtype); the last one and the final qmᵀ a, from which σ and V come, use ``a`` itself. That last
+    full-precision step removes the narrow products' rounding from the basis wherever the spectrum
+    has a gap after k (on a gapped test matrix, SAFE-Merge's risk moved by up to 0.22 per entry with
+    all 2·niter + 1 products in bfloat16, by 4e-4 as now, by 2e-4 in float32)."""
     m, n = a.shape
     q = min(k + (oversample if oversample is not None else max(2 * k, 10)), m, n)
+    low = a if product_dtype is None or product_dtype == a.dtype or niter == 0 else a.to(product_dtype)
+
+    def mul(x: Tensor, y: Tensor) -> Tensor:  # x @ y, in the product dtype when x is the narrow copy
+        return x @ y if x.dtype == a.dtype else (x @ y.to(x.dtype)).to(a.dtype)
 
     def off(basis: Tensor | None, x: Tensor) -> Tensor:  # (I − B Bᵀ) x
         return x if basis is None else x.addmm(basis, basis.T @ x, alpha=-1.0)
 
     g = torch.Generator(device=a.device).manual_seed(seed)
     omega = torch.randn(n, q, generator=g, device=a.device, dtype=a.dtype)
-    qm = torch.linalg.qr(off(u_out, a @ off(v_out, omega))).Q
-    for _ in range(niter):
-        qm = torch.linalg.qr(off(v_out, a.T @ off(u_out, qm))).Q
-        qm = torch.linalg.qr(off(u_out, a @ off(v_out, qm))).Q
+    qm = torch.linalg.qr(off(u_out, mul(low if niter else a, off(v_out, omega)))).Q
+    for i in range(niter):
+        qm = torch.linalg.qr(off(v_out, mul(low.T, off(u_out, qm)))).Q
+        qm = torch.linalg.qr(off(u_out, mul(low if i < niter - 1 else a, off(v_out, qm)))).Q
+    del low
     # qm ⊥ U_out already, so qmᵀ a⊥ = (qmᵀ a)(I − V_out V_outᵀ)
     ub, s, vh = torch.linalg.svd(off(v_out, (qm.T @ a).T).T, full_matrices=False)
     return (qm @ ub)[:, :k], s[:k], vh[:k].T
