@@ -33,10 +33,11 @@ size τ_⊥ of step 2 is never formed (its subspace iteration projects around pr
 :func:`.lowrank.randomized_svd_projected`), and S of step 3 is U_s diag(σ_s) V_sᵀ, the same matrix
 since U_s ⊥ U₀ and V_s ⊥ V₀. There, all power-iteration products but the last are taken in bfloat16
 (float32 accumulation) where the device multiplies it natively (``svd_products``, default ``auto``:
-:func:`.lowrank.native_low_precision_dtype`), a fifth of a large first fold's time. Its masks keep
-99.9% of the float32 path's entries (min 99.7%) on real MiniLM experts forced onto this path (259
-matrices of 7 experts), where either keeps 90.1% of the exact SVD's; on spectra with a gap both
-match the exact risk (tests/test_policies.py).
+:func:`.lowrank.native_low_precision_dtype`). On real MiniLM experts forced onto this path
+(bench/safe_svd_paths.py, bench/results/safe_svd_paths.md) its masks keep 99.9% of the float32
+products' kept entries (min 99.65%), either keeps 90.8% of the exact path's, and H after three folds
+is the same for all three (79.14, 79.13, 79.14); on spectra with a gap both match the exact risk
+(tests/test_policies.py).
 """
 
 from __future__ import annotations
