@@ -260,6 +260,24 @@ def test_randomized_svd_projected_is_the_svd_of_the_formed_projection(shape, pro
     assert torch.allclose(u.T @ a @ v, torch.diag(s), atol=1e-4 * float(s[0]))
 
 
+@pytest.mark.parametrize("shape", [(300, 700), (700, 300)])
+def test_randomized_right_singular_in_bfloat16_is_the_exact_v(shape):
+    """V alone with every power-iteration product in bfloat16 (the last too): the exact SVD's top-k
+    right subspace to float32 precision, as V from the float32 iteration is."""
+    from mergestream.policies.lowrank import exact_top_singular, randomized_right_singular, randomized_svd
+
+    m, n = shape
+    k = 20
+    a = _gapped(m, n, k, seed=9)
+    _, v_exact = exact_top_singular(a, k)
+    want = v_exact.double() @ v_exact.double().T
+    v16 = randomized_right_singular(a, k, oversample=10, niter=3, seed=0, product_dtype=torch.bfloat16)
+    _, v32 = randomized_svd(a, k, oversample=10, niter=3, seed=0)
+    assert v16.shape == (n, k) and v16.dtype == torch.float32
+    assert torch.allclose(v16.T @ v16, torch.eye(k), atol=1e-5)
+    for v in (v16, v32):
+        assert torch.allclose(v.double() @ v.double().T, want, atol=1e-5)
+
 @pytest.mark.parametrize("product_dtype", [None, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_safe_merge_risk_above_the_exact_side_equals_the_formed_tau_perp(monkeypatch, product_dtype):
     """Above EXACT_MAX_SIDE the risk never forms τ_⊥ and takes S = U_s diag(σ_s) V_sᵀ: the same risk

@@ -41,6 +41,19 @@ def randomized_svd(a: Tensor, k: int, oversample: int | None = None, niter: int 
     return u, v
 
 
+def randomized_right_singular(a: Tensor, k: int, oversample: int | None = None, niter: int = 8, seed: int = 0,
+                              product_dtype: torch.dtype | None = None) -> Tensor:
+    """Top-k right singular vectors V (n×k) of ``a`` alone: :func:`randomized_svd` with every
+    power-iteration product in ``product_dtype`` (the last one too).
+
+    V comes from the final product qmᵀ a in a's dtype, and the narrow products' rounding of the basis
+    qm reaches V only through the small singular values outside the top-k (on a gapped test matrix
+    V's projector moved by 5e-7 with all products in bfloat16, U's by 2e-4), so the full-precision
+    last step that U needs (:func:`randomized_svd`) is left out. Arguments as :func:`randomized_svd`.
+    """
+    return _subspace_iteration(a, None, None, k, oversample, niter, seed, product_dtype, narrow_last=True)[2]
+
+
 def randomized_svd_projected(a: Tensor, u_out: Tensor, v_out: Tensor, k: int, oversample: int | None = None,
                              niter: int = 8, seed: int = 0, product_dtype: torch.dtype | None = None
                              ) -> tuple[Tensor, Tensor, Tensor]:
@@ -83,8 +96,8 @@ def native_low_precision_dtype(device: torch.device | str) -> torch.dtype | None
 
 
 def _subspace_iteration(a: Tensor, u_out: Tensor | None, v_out: Tensor | None, k: int, oversample: int | None,
-                        niter: int, seed: int, product_dtype: torch.dtype | None = None
-                        ) -> tuple[Tensor, Tensor, Tensor]:
+                        niter: int, seed: int, product_dtype: torch.dtype | None = None,
+                        narrow_last: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """U, σ, V of the top-k block of (I − U_out U_outᵀ) a (I − V_out V_outᵀ) (None: no projection).
 
     With ``product_dtype``, the first 2·niter of the 2·niter + 1 products that steer the basis are
@@ -92,10 +105,12 @@ def _subspace_iteration(a: Tensor, u_out: Tensor | None, v_out: Tensor | None, k
     dtype); the last one and the final qmᵀ a, from which σ and V come, use ``a`` itself. That last
     full-precision step removes the narrow products' rounding from the basis wherever the spectrum
     has a gap after k (on a gapped test matrix, SAFE-Merge's risk moved by up to 0.22 per entry with
-    all 2·niter + 1 products in bfloat16, by 4e-4 as now, by 2e-4 in float32)."""
+    all 2·niter + 1 products in bfloat16, by 4e-4 as now, by 2e-4 in float32). ``narrow_last``: that
+    last product in ``product_dtype`` too, for callers that use only σ and V."""
     m, n = a.shape
     q = min(k + (oversample if oversample is not None else max(2 * k, 10)), m, n)
-    low = a if product_dtype is None or product_dtype == a.dtype or niter == 0 else a.to(product_dtype)
+    narrow = product_dtype is not None and product_dtype != a.dtype and (niter > 0 or narrow_last)
+    low = a.to(product_dtype) if narrow else a
 
     def mul(x: Tensor, y: Tensor) -> Tensor:  # x @ y, in the product dtype when x is the narrow copy
         return x @ y if x.dtype == a.dtype else (x @ y.to(x.dtype)).to(a.dtype)
@@ -105,10 +120,10 @@ def _subspace_iteration(a: Tensor, u_out: Tensor | None, v_out: Tensor | None, k
 
     g = torch.Generator(device=a.device).manual_seed(seed)
     omega = torch.randn(n, q, generator=g, device=a.device, dtype=a.dtype)
-    qm = torch.linalg.qr(off(u_out, mul(low if niter else a, off(v_out, omega)))).Q
+    qm = torch.linalg.qr(off(u_out, mul(low if niter or narrow_last else a, off(v_out, omega)))).Q
     for i in range(niter):
         qm = torch.linalg.qr(off(v_out, mul(low.T, off(u_out, qm)))).Q
-        qm = torch.linalg.qr(off(u_out, mul(low if i < niter - 1 else a, off(v_out, qm)))).Q
+        qm = torch.linalg.qr(off(u_out, mul(low if i < niter - 1 or narrow_last else a, off(v_out, qm)))).Q
     del low
     # qm ⊥ U_out already, so qmᵀ a⊥ = (qmᵀ a)(I − V_out V_outᵀ)
     ub, s, vh = torch.linalg.svd(off(v_out, (qm.T @ a).T).T, full_matrices=False)

@@ -50,7 +50,8 @@ from pydantic import Field
 
 from .base import Policy, PolicyParams, Tensor, TensorContext, TensorFold, TensorState
 from .iso_c import isotropic_fold, merges_isotropically
-from .lowrank import exact_top_singular, native_low_precision_dtype, randomized_svd, randomized_svd_projected
+from .lowrank import (exact_top_singular, native_low_precision_dtype, randomized_right_singular, randomized_svd,
+                      randomized_svd_projected)
 from .masks import magnitude_mask
 
 # torch marks sparse CSR as beta and says so on the first CSR tensor; the recovery depends only on
@@ -86,6 +87,17 @@ def top_singular(w: Tensor, k: int, *, seed: int = 0, product_dtype: torch.dtype
     # call both raced between them and cost 7% of a 1 GiB fold
     u, v = randomized_svd(w, k, oversample=RSVD_OVERSAMPLE, niter=RSVD_NITER, seed=seed, product_dtype=product_dtype)
     return u.contiguous(), v.contiguous()
+
+
+def top_right_singular(w: Tensor, k: int, *, seed: int = 0, product_dtype: torch.dtype | None = None) -> Tensor:
+    """Top-k right singular vectors V (n, k') of a 2-D float32 matrix, k' = min(k, m, n): the V of
+    :func:`top_singular`, whose randomised path may then take every power-iteration product in
+    ``product_dtype`` (:func:`.lowrank.randomized_right_singular`). Contiguous float32."""
+    k = min(k, *w.shape)
+    if k == 0 or min(w.shape) <= EXACT_MAX_SIDE:
+        return top_singular(w, k, seed=seed)[1]
+    return randomized_right_singular(w, k, oversample=RSVD_OVERSAMPLE, niter=RSVD_NITER, seed=seed,
+                                     product_dtype=product_dtype).contiguous()
 
 
 def risk_scores(tau: Tensor, u0: Tensor, v0: Tensor, k_s: int, eps: float = 1e-12, seed: int = 0,
@@ -239,7 +251,7 @@ def masked_recovery(tau: Tensor, mask: Tensor, delta_prev: Tensor | None, *, ran
         rank: r of the correction; steps: Adam steps (0 = no recovery).
         in_place: build D in ``tau``'s memory (τ is lost) instead of fresh memory.
         ctx: its scratch buffer (slot ``safe.rest``) holds the one (m, n) temporary.
-        product_dtype: for V_new's and V_old's SVDs (:func:`top_singular`).
+        product_dtype: for V_new's and V_old's SVDs (:func:`top_right_singular`).
 
     Returns:
         D (m, n) float32, zero outside M; and the loss after each step (first = before any step;
@@ -251,7 +263,7 @@ def masked_recovery(tau: Tensor, mask: Tensor, delta_prev: Tensor | None, *, ran
     if pattern is None or pattern.nnz == 0:
         return torch.where(mask, tau, zero, out=tau if in_place else None), []
     m, n = tau.shape
-    _, v_new = top_singular(tau, k_new, seed=seed, product_dtype=product_dtype)
+    v_new = top_right_singular(tau, k_new, seed=seed, product_dtype=product_dtype)
     # constant part of (D − τ) V_new = −(τ off the mask) V_new (exactly 0 on the kept entries)
     rest = torch.where(mask, zero, tau, out=ctx.scratch("safe.rest", tau.shape, device=tau.device))
     p_new = torch.mm(rest, v_new).neg_()
@@ -260,7 +272,7 @@ def masked_recovery(tau: Tensor, mask: Tensor, delta_prev: Tensor | None, *, ran
     d0 = torch.where(mask, tau, zero, out=tau if in_place else None)  # M⊙τ in one pass (no ~M)
     w, p = [v_new], [p_new]
     if lambda_old > 0 and delta_prev is not None and bool(delta_prev.any()):
-        _, v_old = top_singular(delta_prev, k_old, seed=seed + 1, product_dtype=product_dtype)
+        v_old = top_right_singular(delta_prev, k_old, seed=seed + 1, product_dtype=product_dtype)
         w.append(v_old * lambda_old**0.5)
         p.append((d0 @ v_old) * lambda_old**0.5)
     w_all, p_all = torch.cat(w, 1), torch.cat(p, 1)  # W (n, K) contiguous, P (m, K)
