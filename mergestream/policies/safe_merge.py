@@ -31,8 +31,9 @@ power iterations and 10 oversampling columns, Halko et al. 2011 Alg. 4.4:
 (:func:`.lowrank.exact_top_singular`) at or below 512 on the short side — our choice. Above that
 size τ_⊥ of step 2 is never formed (its subspace iteration projects around products with τ,
 :func:`.lowrank.randomized_svd_projected`), and S of step 3 is U_s diag(σ_s) V_sᵀ, the same matrix
-since U_s ⊥ U₀ and V_s ⊥ V₀. There, all power-iteration products but the last are taken in bfloat16
-(float32 accumulation) where the device multiplies it natively (``svd_products``, default ``auto``:
+since U_s ⊥ U₀ and V_s ⊥ V₀. There, all power-iteration products but the last (all of them for V_new
+and V_old, of which only V is used) are taken in bfloat16 (float32 accumulation) where the device
+multiplies it natively (``svd_products``, default ``auto``:
 :func:`.lowrank.native_low_precision_dtype`). On real MiniLM experts forced onto this path
 (bench/safe_svd_paths.py, bench/results/safe_svd_paths.md) its masks keep 99.9% of the float32
 products' kept entries (min 99.65%), either keeps 90.8% of the exact path's, and H after three folds
