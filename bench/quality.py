@@ -147,6 +147,18 @@ class Evaluator:
                  rows: dict[str, list], sts: list[tuple[float, str, str]], tok):
         self.tasks, self.heads, self.rows, self.sts, self.tok = tasks, heads, rows, sts, tok
 
+    @classmethod
+    def on_test_rows(cls, tasks: list[str], experts: dict[str, Path], data: Path, eval_examples: int,
+                     sts_pairs: int) -> "Evaluator":
+        """The evaluator of a results table: ``eval_examples`` seeded test rows per task with each
+        expert's head (``experts[task]/head.safetensors``) and ``sts_pairs`` seeded STS-B test pairs."""
+        tdata = {t: X.load_task(t, data) for t in tasks}
+        heads = {t: T.load_head(experts[t] / "head.safetensors", t) for t in tasks}
+        rows = {t: X.subsample(tdata[t].test, eval_examples, seed=0) for t in tasks}
+        sts = X.subsample(X.load_sts(data), sts_pairs, seed=0)
+        _, tok = X.load_encoder()
+        return cls(tdata, heads, rows, sts, tok)
+
     def load(self, folder: Path):
         model, _ = X.load_encoder(folder)
         return model

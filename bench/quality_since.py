@@ -35,7 +35,6 @@ import quality  # noqa: E402  (rows, evaluator, H: one home)
 from quality_report import hmean  # noqa: E402
 
 from mergestream import experts as X  # noqa: E402
-from mergestream import text as T  # noqa: E402
 
 #: folds one chain in a child process with whichever mergestream is first on sys.path
 CHILD = r"""
@@ -92,12 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown rows: {', '.join(missing)}")
     env_rev, info = fold_speed.mergestream_source(argparse.Namespace(rev=args.rev, workdir=args.workdir))
 
-    tdata = {t: X.load_task(t, data) for t in tasks}
-    heads = {t: T.load_head(experts[t] / "head.safetensors", t) for t in tasks}
-    ev_rows = {t: X.subsample(tdata[t].test, args.eval_examples, seed=0) for t in tasks}
-    sts = X.subsample(X.load_sts(data), args.sts_pairs, seed=0)
-    _, tok = X.load_encoder()
-    ev = quality.Evaluator(tdata, heads, ev_rows, sts, tok)
+    ev = quality.Evaluator.on_test_rows(tasks, experts, data, args.eval_examples, args.sts_pairs)
 
     results = []
     for name in wanted:

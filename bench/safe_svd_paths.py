@@ -39,7 +39,6 @@ import quality  # noqa: E402  (evaluator, results folder: one home)
 from quality_report import hmean  # noqa: E402
 
 from mergestream import experts as X  # noqa: E402
-from mergestream import text as T  # noqa: E402
 from mergestream.engine import fold  # noqa: E402
 from mergestream.policies import safe_merge as SM  # noqa: E402
 from mergestream.policies.masks import magnitude_mask  # noqa: E402
@@ -129,12 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     doc: dict[str, Any] = {"command": md[2], "tasks": tasks, "masks": rows, "mask_summary": summary}
     if args.quality:
         data = args.data or Path(src["data"])
-        tdata = {t: X.load_task(t, data) for t in tasks}
-        heads = {t: T.load_head(experts[t] / "head.safetensors", t) for t in tasks}
-        ev_rows = {t: X.subsample(tdata[t].test, args.eval_examples, seed=0) for t in tasks}
-        sts = X.subsample(X.load_sts(data), args.sts_pairs, seed=0)
-        _, tok = X.load_encoder()
-        ev = quality.Evaluator(tdata, heads, ev_rows, sts, tok)
+        ev = quality.Evaluator.on_test_rows(tasks, experts, data, args.eval_examples, args.sts_pairs)
         md += ["", f"## Quality after folding {', '.join(tasks)} in that order (λ {args.lam}; "
                f"{args.eval_examples} test rows per task, {args.sts_pairs} STS-B pairs)", "",
                "| path | ACC | G | H | fold s (mean) |", "| --- | ---: | ---: | ---: | ---: |"]
