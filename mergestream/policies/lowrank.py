@@ -115,15 +115,18 @@ def _subspace_iteration(a: Tensor, u_out: Tensor | None, v_out: Tensor | None, k
     def mul(x: Tensor, y: Tensor) -> Tensor:  # x @ y, in the product dtype when x is the narrow copy
         return x @ y if x.dtype == a.dtype else (x @ y.to(x.dtype)).to(a.dtype)
 
+    def forward(y: Tensor, last: bool) -> Tensor:  # a @ y; the last one in a's dtype unless narrow_last
+        return mul(a if last and not narrow_last else low, y)
+
     def off(basis: Tensor | None, x: Tensor) -> Tensor:  # (I − B Bᵀ) x
         return x if basis is None else x.addmm(basis, basis.T @ x, alpha=-1.0)
 
     g = torch.Generator(device=a.device).manual_seed(seed)
     omega = torch.randn(n, q, generator=g, device=a.device, dtype=a.dtype)
-    qm = torch.linalg.qr(off(u_out, mul(low if niter or narrow_last else a, off(v_out, omega)))).Q
+    qm = torch.linalg.qr(off(u_out, forward(off(v_out, omega), last=niter == 0))).Q
     for i in range(niter):
         qm = torch.linalg.qr(off(v_out, mul(low.T, off(u_out, qm)))).Q
-        qm = torch.linalg.qr(off(u_out, mul(low if i < niter - 1 or narrow_last else a, off(v_out, qm)))).Q
+        qm = torch.linalg.qr(off(u_out, forward(off(v_out, qm), last=i == niter - 1))).Q
     del low
     # qm ⊥ U_out already, so qmᵀ a⊥ = (qmᵀ a)(I − V_out V_outᵀ)
     ub, s, vh = torch.linalg.svd(off(v_out, (qm.T @ a).T).T, full_matrices=False)
