@@ -14,7 +14,8 @@ from mergestream.folding import weights_stream
 from mergestream.policies import TensorContext, cmaes_coefficients, make_policy
 from mergestream.policies.masks import magnitude_mask
 from mergestream.policies.mdm_oc import gram_schmidt, orthogonal_factors
-from mergestream.policies.safe_merge import PlainAdam, masked_recovery, top_singular
+from mergestream.policies.recovery import PlainAdam
+from mergestream.policies.safe_merge import masked_recovery, top_singular
 from mergestream.policies.task_arithmetic import disjoint_mean, elect_sign, trim_top_k
 from mergestream.state import StateDir
 
@@ -389,14 +390,18 @@ def _dense_recovery(tau, mask, delta_prev, *, rank, steps, lambda_old, lr_scale,
     return (d0 + (b @ a) * mf).detach(), losses
 
 
+@pytest.mark.parametrize("blocks", ["one block", "column blocks"])
 @pytest.mark.parametrize("transpose", ["sampled", "gathered"])
 @pytest.mark.parametrize("with_previous,rho", [(False, 0.1), (True, 0.1), (True, 0.5), (False, 1.0)])
-def test_safe_merge_sparse_recovery_equals_the_dense_formulation(with_previous, rho, transpose, monkeypatch):
-    """Both ways to Gᵀ (sampled on Sᵀ's pattern for narrow W, S's values gathered for wide W) give
-    the dense formulation's D and losses."""
-    from mergestream.policies import safe_merge
+def test_safe_merge_sparse_recovery_equals_the_dense_formulation(with_previous, rho, transpose, blocks, monkeypatch):
+    """Both ways to Gᵀ (sampled on Sᵀ's pattern for narrow W, S's values gathered for wide W), on the
+    whole mask or cut into column blocks (uneven last one), give the dense formulation's D and
+    losses."""
+    from mergestream.policies import recovery
 
-    monkeypatch.setattr(safe_merge, "_SAMPLE_T_MAX_K", 1000 if transpose == "sampled" else 0)
+    monkeypatch.setattr(recovery, "SAMPLE_T_MAX_K", 1000 if transpose == "sampled" else 0)
+    if blocks == "column blocks":  # 4 blocks of 43, 43, 43, 41 columns at K = 14, 2 of 85 at K = 5
+        monkeypatch.setattr(recovery, "BLOCK_BYTES", 170 * 14 * 4 // 4 + 1)
     base, tau = _safe_inputs(m=150, n=170, seed=3)
     mask = magnitude_mask(tau.abs(), rho)
     prev = 0.02 * torch.randn(tau.shape, generator=torch.Generator().manual_seed(4)) if with_previous else None
@@ -405,6 +410,33 @@ def test_safe_merge_sparse_recovery_equals_the_dense_formulation(with_previous, 
     want, want_losses = _dense_recovery(tau, mask, prev, **kw)
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-6 * float(tau.abs().max()))
     assert not bool(got[~mask].any())  # D is zero outside M
+    assert got_losses == pytest.approx(want_losses, rel=1e-4, abs=1e-9)
+
+
+def test_column_blocks_cover_the_kept_entries_once_and_drop_empty_blocks(monkeypatch):
+    """The blocks' ``flat`` positions are exactly the mask's kept entries (in the whole matrix's
+    numbering), each block's S holds its columns' entries, an all-false column range gives no block,
+    and the recovery on such a mask still equals the dense formulation (the empty columns' rows of Aᵀ
+    get zero gradient there too)."""
+    from mergestream.policies import recovery
+
+    base, tau = _safe_inputs(m=120, n=200, seed=6)
+    mask = magnitude_mask(tau.abs(), 0.2)
+    mask[:, 40:110] = False  # covers the whole second of four 50-column blocks
+    monkeypatch.setattr(recovery, "BLOCK_BYTES", 200 * 10 * 4 // 4)  # K = 10: 4 blocks of 50 columns
+    blocks = recovery.column_blocks(mask, 10)
+    assert [(b.columns.start, b.columns.stop) for b in blocks] == [(0, 50), (100, 150), (150, 200)]
+    flat = torch.cat([b.flat for b in blocks]).sort().values
+    assert torch.equal(flat, mask.reshape(-1).nonzero().squeeze(1))
+    for b in blocks:
+        b.values.fill_(1.0)
+        assert torch.equal(b.s.to_dense().bool(), mask[:, b.columns])
+    assert recovery.column_blocks(torch.zeros(5, 7, dtype=torch.bool), 3) == []
+    kw = dict(rank=4, steps=15, lambda_old=1.0, lr_scale=0.1, k_new=4, k_old=6, seed=1)
+    prev = 0.02 * torch.randn(tau.shape, generator=torch.Generator().manual_seed(2))
+    got, got_losses = masked_recovery(tau, mask, prev, **kw)
+    want, want_losses = _dense_recovery(tau, mask, prev, **kw)
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-6 * float(tau.abs().max()))
     assert got_losses == pytest.approx(want_losses, rel=1e-4, abs=1e-9)
 
 

@@ -43,7 +43,6 @@ is the same for all three (79.14, 79.13, 79.14); on spectra with a gap both matc
 
 from __future__ import annotations
 
-import warnings
 from typing import Literal
 
 import torch
@@ -54,11 +53,7 @@ from .iso_c import isotropic_fold, merges_isotropically
 from .lowrank import (exact_top_singular, native_low_precision_dtype, randomized_right_singular, randomized_svd,
                       randomized_svd_projected)
 from .masks import magnitude_mask
-
-# torch marks sparse CSR as beta and says so on the first CSR tensor; the recovery depends only on
-# sampled_addmm and CSR @ dense, which the tests check against the dense formulation.
-warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta", category=UserWarning)
-
+from .recovery import column_blocks, fit_on_mask
 
 #: Largest short side at which SAFE-Merge computes top singular vectors exactly (float64); above it,
 #: randomised subspace iteration (module docstring).
@@ -134,105 +129,6 @@ def risk_scores(tau: Tensor, u0: Tensor, v0: Tensor, k_s: int, eps: float = 1e-1
     return g.div_(s.abs_().add_(g).add_(eps))
 
 
-class KeptPattern:
-    """The kept entries of a mask M (m, n) as sparse CSR matrices S (m, n) and Sᵀ (n, m) whose values
-    are rewritten in place.
-
-    The masked recovery only ever needs M ⊙ (X Y) and products of such a sparse matrix (or its
-    transpose) with dense ones, so it works on the ρ·m·n kept entries instead of dense (m, n)
-    products. ``sample`` sets S = α·M⊙(X Y) (``torch.sparse.sampled_addmm`` into S's own values);
-    Sᵀ as CSR comes either from sampling it directly (``sample_t``) or from gathering S's values into
-    column order (``transposed``): the gather costs the same whatever k, the sampling grows with k
-    and is cheaper below about 24 columns (G sampled, then Gᵀ sampled or gathered, 1.1M kept
-    entries, single thread: 5.8 against 8.1 ms at k = 8, 10.2 against 10.7 at k = 24, 24.3 against
-    20.3 at k = 72). All reuse buffers allocated once, so the Adam loop allocates nothing of size ρ·m·n per
-    step. ``values`` (nnz,) float32 is S's, in row-major order of the kept entries (the order of
-    ``mask.reshape(-1).nonzero()``, kept in ``flat``).
-
-    The right-hand factor of a product is best passed as the transposed view of a contiguous
-    (n, k) matrix: ``sampled_addmm`` works on that layout and copies any other one first.
-    """
-
-    def __init__(self, mask: Tensor, dtype: torch.dtype = torch.float32) -> None:
-        m, n = mask.shape
-        self.flat = mask.reshape(-1).nonzero().squeeze(1)
-        rows, cols = self.flat // n, self.flat % n
-        self.nnz = int(self.flat.numel())
-        self.values = torch.zeros(self.nnz, dtype=dtype, device=mask.device)
-        # int32 indices where they fit: the sparse kernels convert int64 ones on every call (a fresh
-        # nnz-sized buffer per product), and index_select gathers Sᵀ's values 1.5x faster with them
-        idx = torch.int32 if max(self.nnz, m, n) < 2**31 - 1 else torch.int64
-        # column-major order of the same entries: a stable sort by column of entries already in row
-        # order (a third of an argsort of col·m + row)
-        cols_i = cols.to(idx)
-        order = torch.sort(cols_i, stable=True).indices
-        self._order = order.to(idx)
-        self.s = torch.sparse_csr_tensor(_offsets(rows, m).to(idx), cols_i, self.values, size=(m, n),
-                                         check_invariants=False)
-        self.s_t = torch.sparse_csr_tensor(_offsets(cols, n).to(idx), rows[order].to(idx),
-                                           torch.zeros_like(self.values), size=(n, m), check_invariants=False)
-
-    def sample(self, x: Tensor, y: Tensor, alpha: float = 1.0) -> Tensor:
-        """Set S = alpha · M⊙(x @ y) for x (m, k), y (k, n) and return S (sparse CSR (m, n))."""
-        return torch.sparse.sampled_addmm(self.s, x, y, beta=0.0, alpha=alpha, out=self.s)
-
-    def sample_t(self, x: Tensor, y: Tensor, alpha: float = 1.0) -> Tensor:
-        """Set Sᵀ = alpha · Mᵀ⊙(x @ y) for x (n, k), y (k, m) and return Sᵀ (sparse CSR (n, m));
-        S's own values are left alone."""
-        return torch.sparse.sampled_addmm(self.s_t, x, y, beta=0.0, alpha=alpha, out=self.s_t)
-
-    def transposed(self) -> Tensor:
-        """Sᵀ (sparse CSR (n, m)) holding S's current values (gathered into column order)."""
-        torch.index_select(self.values, 0, self._order, out=self.s_t.values())
-        return self.s_t
-
-
-class PlainAdam:
-    """Adam (Kingma & Ba, ICLR 2015, Algorithm 1; β₁ 0.9, β₂ 0.999, ε 1e-8, no weight decay) on
-    preallocated moment buffers, for parameters whose gradients the caller writes into ``grads``.
-
-    The same arithmetic as ``torch.optim.Adam``'s single-tensor step (step for step the same values:
-    tests/test_policies.py), without its per-step dispatch, which costs more than the sparse
-    products of a recovery step on a 2048x4096 matrix (about 1.8 ms against 0.1 ms per step).
-
-    Args:
-        params: float32 tensors updated in place.
-        lr: learning rate.
-    """
-
-    def __init__(self, params: list[Tensor], lr: float, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8) -> None:
-        self.params, self.lr, self.betas, self.eps = params, lr, betas, eps
-        self.grads = [torch.zeros_like(p) for p in params]
-        self._m = [torch.zeros_like(p) for p in params]
-        self._v = [torch.zeros_like(p) for p in params]
-        self._denom = [torch.empty_like(p) for p in params]
-        self.t = 0
-
-    def step(self) -> None:
-        """One update of every parameter from the gradients now in :attr:`grads`."""
-        self.t += 1
-        b1, b2 = self.betas
-        bias1, bias2_sqrt = 1 - b1**self.t, (1 - b2**self.t) ** 0.5
-        for p, g, m, v, d in zip(self.params, self.grads, self._m, self._v, self._denom):
-            m.lerp_(g, 1 - b1)  # first moment
-            v.mul_(b2).addcmul_(g, g, value=1 - b2)  # second moment
-            torch.sqrt(v, out=d).div_(bias2_sqrt).add_(self.eps)
-            p.addcdiv_(m, d, value=-self.lr / bias1)
-
-
-#: Widest W (columns K) for which the recovery samples Gᵀ directly rather than gathering G's values
-#: (:class:`KeptPattern`): K = k_new at the first fold (8 by default), k_new + k_old (72) later.
-_SAMPLE_T_MAX_K = 24
-
-
-def _offsets(index: Tensor, size: int) -> Tensor:
-    """CSR row offsets (size + 1,) int64 of a sorted-by-row index vector."""
-    out = torch.zeros(size + 1, dtype=torch.int64, device=index.device)
-    out[1:] = torch.bincount(index, minlength=size).cumsum(0)
-    return out
-
-
 def masked_recovery(tau: Tensor, mask: Tensor, delta_prev: Tensor | None, *, rank: int, steps: int,
                     lambda_old: float, lr_scale: float, k_new: int, k_old: int,
                     seed: int = 0, in_place: bool = False, ctx: TensorContext | None = None,
@@ -241,9 +137,9 @@ def masked_recovery(tau: Tensor, mask: Tensor, delta_prev: Tensor | None, *, ran
 
     The objective L = ‖(D − τ) V_new‖²_F + λ_old ‖D V_old‖²_F is written as ‖P + C W‖²_F with
     C = M⊙(BA), W = [V_new, √λ_old·V_old] (n, K), P = [(M⊙τ − τ) V_new, √λ_old·(M⊙τ) V_old] (m, K);
-    its gradient is dL/dB = G Aᵀ, dL/dA = Bᵀ G with G = M ⊙ 2(P + C W) Wᵀ. C and G live only on the
-    ρ·m·n kept entries (:class:`KeptPattern`), so a step costs O(ρ·m·n·(r + K)) instead of the dense
-    O(m·n·(r + K)); Adam (:class:`PlainAdam`) takes these gradients as autograd would give them.
+    A (r, n) starts N(0, 1)/√r from a generator seeded with ``seed``, B (m, r) at zero, and
+    :func:`.recovery.fit_on_mask` runs Adam on the ρ·m·n kept entries only (sparse, in column
+    blocks), with the gradients autograd would give on the dense formulation.
 
     Args:
         tau: (m, n) float32 task vector.
@@ -260,8 +156,7 @@ def masked_recovery(tau: Tensor, mask: Tensor, delta_prev: Tensor | None, *, ran
     """
     ctx = ctx or TensorContext("")
     zero = tau.new_zeros(())
-    pattern = KeptPattern(mask) if steps > 0 and rank > 0 else None
-    if pattern is None or pattern.nnz == 0:
+    if steps == 0 or rank == 0 or not bool(mask.any()):
         return torch.where(mask, tau, zero, out=tau if in_place else None), []
     m, n = tau.shape
     v_new = top_right_singular(tau, k_new, seed=seed, product_dtype=product_dtype)
@@ -278,29 +173,12 @@ def masked_recovery(tau: Tensor, mask: Tensor, delta_prev: Tensor | None, *, ran
         p.append((d0 @ v_old) * lambda_old**0.5)
     w_all, p_all = torch.cat(w, 1), torch.cat(p, 1)  # W (n, K) contiguous, P (m, K)
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    # A (r, n) is kept as its transpose Aᵀ (n, r): the layout the sampled products read without a
-    # copy; Adam is element-wise, so updating Aᵀ with dL/dAᵀ is the same as updating A with dL/dA
-    a_t = (torch.randn(rank, n, generator=gen) / rank**0.5).T.contiguous().to(tau.device)
+    a_t = (torch.randn(rank, n, generator=gen) / rank**0.5).T.contiguous().to(tau.device)  # Aᵀ (n, r)
     b = torch.zeros(m, rank, device=tau.device)
-    resid = torch.empty_like(p_all)
-    opt = PlainAdam([a_t, b], lr=max(lr, 1e-12))
-    grad_a_t, grad_b = opt.grads
-    losses: list[float] = []
-    with torch.no_grad():
-        for _ in range(steps + 1):
-            torch.mm(pattern.sample(b, a_t.T), w_all, out=resid).add_(p_all)  # R = P + C W, (m, K)
-            flat_r = resid.view(-1)
-            losses.append(float(torch.dot(flat_r, flat_r)))
-            if len(losses) > steps:
-                break
-            # G = M ⊙ 2 R Wᵀ: dL/dB = G Aᵀ, dL/dAᵀ = Gᵀ B with Gᵀ = Mᵀ ⊙ 2 W Rᵀ
-            torch.mm(pattern.sample(resid, w_all.T, alpha=2.0), a_t, out=grad_b)
-            g_t = pattern.sample_t(w_all, resid.T, alpha=2.0) if w_all.shape[1] <= _SAMPLE_T_MAX_K \
-                else pattern.transposed()
-            torch.mm(g_t, b, out=grad_a_t)
-            opt.step()
-        pattern.sample(b, a_t.T)
-        d0.view(-1).index_add_(0, pattern.flat, pattern.values)
+    blocks = column_blocks(mask, w_all.shape[1])
+    losses = fit_on_mask(blocks, w_all, p_all, a_t, b, steps=steps, lr=max(lr, 1e-12))
+    for blk in blocks:  # D = M⊙τ + M⊙(B A)
+        d0.view(-1).index_add_(0, blk.flat, blk.values)
     return d0, losses
 
 
