@@ -11,8 +11,9 @@ order of the entries' columns, which is random for a risk or magnitude mask. At 
 fold: k_new + k_old) W of a 4096-column matrix is 1.2 MB, more than a core's L2 cache, so every kept
 entry waited on memory. The mask is therefore cut into column blocks whose rows of W fit in
 :data:`BLOCK_BYTES` (:func:`column_blocks`), and each product runs block by block over W's rows of
-that block: on one thread, a 2048x4096 step at K = 72 went from 33 to 19 ms, 4096x11008 from 193 to
-146 ms (bench/recovery_blocks.py). At K = 8 (first folds) a 4096-column W fits, one block.
+that block: on one thread, a step at K = 72 went from 29 to 20 ms on a 2048x4096 matrix, 183 to 127 ms
+on 4096x11008 and 165 to 133 ms on 11008x4096 (bench/recovery_blocks.py, bench/results/
+recovery_blocks.md). At K = 8 (first folds) a W of up to 8192 rows fits: one block.
 """
 
 from __future__ import annotations
@@ -107,10 +108,11 @@ class KeptPattern:
 
 def column_blocks(mask: Tensor, k: int) -> list[KeptPattern]:
     """The non-empty patterns of ``mask`` (m, n) bool cut into equal column blocks whose rows of a
-    float32 (n, k) W fit in :data:`BLOCK_BYTES` (one block when all of W does); empty for an empty
-    mask."""
+    float32 (n, k) W fit in :data:`BLOCK_BYTES` (one block when all of W does, and always off the
+    CPU: the budget is a CPU cache's, and a GPU would only pay more kernel launches); empty for an
+    empty mask."""
     n = mask.shape[1]
-    count = max(1, math.ceil(n * k * 4 / BLOCK_BYTES))
+    count = max(1, math.ceil(n * k * 4 / BLOCK_BYTES)) if mask.device.type == "cpu" else 1
     width = math.ceil(n / count)
     blocks = [KeptPattern(mask, columns=(c0, min(c0 + width, n))) for c0 in range(0, n, width)]
     return [b for b in blocks if b.nnz]
