@@ -64,6 +64,33 @@ def test_subtract_of_the_latest_fold_restores_bytes_over_25_cycles(tmp_path, dty
     assert StateDir(state).manifest.ids() == ["first"]
 
 
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 1e-38, 3e38], ids=["small", "unit", "subnormal", "near-max"])
+@pytest.mark.parametrize("lam", [0.3, 0.5, 1.0])
+def test_bf16_misses_read_off_the_bits_equal_the_neighbour_formulation(scale, lam):
+    """A bf16 fold lists as exceptions the entries where θ_{t−1} is neither c = rd(θ_t − d) nor c's
+    neighbour toward θ_t − d. The bf16 path reads that off θ_t − d's float32 bits
+    (residuals._bf16_misses); it must give exactly the entries the general path (widen c, step it
+    toward θ_t − d, compare) gives, for signed zeros, subnormals, exact differences (d = 0), values
+    near bf16's largest and either sign."""
+    n = 1 << 14
+    g = torch.Generator().manual_seed(int(lam * 10))
+    prev = (torch.randn(n, generator=g) * scale).bfloat16()
+    prev[:64], prev[64:128] = 0.0, -0.0
+    d = torch.randn(n, generator=g) * scale * torch.rand(n, generator=g) * lam
+    d[128:256] = 0.0
+    theta = (prev.float() + d).bfloat16()
+    keep = torch.isfinite(theta)  # a fold refuses overflow; keep those entries unchanged
+    theta, d = torch.where(keep, theta, prev), torch.where(keep, d, 0.0)
+    pb = residuals.bits(prev)
+    c = residuals.subtract_delta(theta, d, theta.float())
+    ne = (residuals.bits(c) != pb).numpy()
+    general = (residuals._neighbour_bits(c) != pb).numpy() & ne
+    c = residuals.subtract_delta(theta, d, theta.float())
+    fast = residuals._bf16_misses(pb)
+    assert general.any() and (ne & ~general).any()  # both kinds occur: recovered ties and misses
+    assert (fast == general).all()
+
+
 def _three_folds(tmp, dtype: torch.dtype, policy: str, params: dict):
     """θ₀ and three perturbed experts folded in turn into ``tmp/state``; returns (θ₀ tensors, θ₀'s
     path, the state folder, the last backbone)."""

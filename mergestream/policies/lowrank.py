@@ -118,6 +118,10 @@ def _subspace_iteration(a: Tensor, u_out: Tensor | None, v_out: Tensor | None, k
     def forward(y: Tensor, last: bool) -> Tensor:  # a @ y; the last one in a's dtype unless narrow_last
         return mul(a if last and not narrow_last else low, y)
 
+    def backward(x: Tensor) -> Tensor:  # aᵀ x in the product dtype, taken as (xᵀ a)ᵀ: MKL's product
+        # with a transposed (m, n) left factor ran 1.2-2.1x slower on an AVX2 CPU, bit for bit the same
+        return (x.T.to(low.dtype) @ low).to(a.dtype).T
+
     def off(basis: Tensor | None, x: Tensor) -> Tensor:  # (I − B Bᵀ) x
         return x if basis is None else x.addmm(basis, basis.T @ x, alpha=-1.0)
 
@@ -125,7 +129,7 @@ def _subspace_iteration(a: Tensor, u_out: Tensor | None, v_out: Tensor | None, k
     omega = torch.randn(n, q, generator=g, device=a.device, dtype=a.dtype)
     qm = torch.linalg.qr(off(u_out, forward(off(v_out, omega), last=niter == 0))).Q
     for i in range(niter):
-        qm = torch.linalg.qr(off(v_out, mul(low.T, off(u_out, qm)))).Q
+        qm = torch.linalg.qr(off(v_out, backward(off(u_out, qm)))).Q
         qm = torch.linalg.qr(off(u_out, forward(off(v_out, qm), last=i == niter - 1))).Q
     del low
     # qm ⊥ U_out already, so qmᵀ a⊥ = (qmᵀ a)(I − V_out V_outᵀ)

@@ -173,27 +173,28 @@ def fit_on_mask(blocks: list[KeptPattern], w: Tensor, p: Tensor, a_t: Tensor, b:
     opt = PlainAdam([a_t, b], lr=lr)
     grad_a_t, grad_b = opt.grads  # rows of Aᵀ for columns in no block keep their zero gradient
     sample_t = w.shape[1] <= SAMPLE_T_MAX_K
+    # each block's rows of W, Aᵀ and dL/dAᵀ, as views taken once (Adam updates Aᵀ in place)
+    views = [(blk, w[blk.columns], a_t[blk.columns], grad_a_t[blk.columns]) for blk in blocks]
     losses: list[float] = []
     with torch.no_grad():
         for _ in range(steps + 1):
             resid.copy_(p)
-            for blk in blocks:  # R = P + C W, (m, K)
-                resid.addmm_(blk.sample(b, a_t[blk.columns].T), w[blk.columns])
+            for blk, w_blk, a_blk, _ in views:  # R = P + C W, (m, K)
+                resid.addmm_(blk.sample(b, a_blk.T), w_blk)
             flat_r = resid.view(-1)
             losses.append(float(torch.dot(flat_r, flat_r)))
             if len(losses) > steps:
                 break
             # G = M ⊙ 2 R Wᵀ: dL/dB = G Aᵀ, dL/dAᵀ = Gᵀ B with Gᵀ = Mᵀ ⊙ 2 W Rᵀ
-            for i, blk in enumerate(blocks):
-                w_blk, a_blk = w[blk.columns], a_t[blk.columns]
+            for i, (blk, w_blk, a_blk, grad_a_blk) in enumerate(views):
                 g = blk.sample(resid, w_blk.T, alpha=2.0)
                 if i == 0:
                     torch.mm(g, a_blk, out=grad_b)
                 else:
                     grad_b.addmm_(g, a_blk)
                 g_t = blk.sample_t(w_blk, resid.T, alpha=2.0) if sample_t else blk.transposed()
-                torch.mm(g_t, b, out=grad_a_t[blk.columns])
+                torch.mm(g_t, b, out=grad_a_blk)
             opt.step()
-        for blk in blocks:
-            blk.sample(b, a_t[blk.columns].T)
+        for blk, _, a_blk, _ in views:
+            blk.sample(b, a_blk.T)
     return losses
