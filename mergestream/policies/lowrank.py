@@ -112,15 +112,15 @@ def _subspace_iteration(a: Tensor, u_out: Tensor | None, v_out: Tensor | None, k
     narrow = product_dtype is not None and product_dtype != a.dtype and (niter > 0 or narrow_last)
     low = a.to(product_dtype) if narrow else a
 
-    def mul(x: Tensor, y: Tensor) -> Tensor:  # x @ y, in the product dtype when x is the narrow copy
-        return x @ y if x.dtype == a.dtype else (x @ y.to(x.dtype)).to(a.dtype)
+    def mul(x: Tensor, y: Tensor) -> Tensor:  # x @ y; with the narrow copy on either side, in its dtype
+        return x @ y if x.dtype == y.dtype else (x.to(low.dtype) @ y.to(low.dtype)).to(a.dtype)
 
     def forward(y: Tensor, last: bool) -> Tensor:  # a @ y; the last one in a's dtype unless narrow_last
         return mul(a if last and not narrow_last else low, y)
 
     def backward(x: Tensor) -> Tensor:  # aᵀ x in the product dtype, taken as (xᵀ a)ᵀ: MKL's product
         # with a transposed (m, n) left factor ran 1.2-2.1x slower on an AVX2 CPU, bit for bit the same
-        return (x.T.to(low.dtype) @ low).to(a.dtype).T
+        return mul(x.T, low).T
 
     def off(basis: Tensor | None, x: Tensor) -> Tensor:  # (I − B Bᵀ) x
         return x if basis is None else x.addmm(basis, basis.T @ x, alpha=-1.0)
