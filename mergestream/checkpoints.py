@@ -569,7 +569,12 @@ def check_finite_tensor(name: str, t: torch.Tensor, where: str) -> None:
         return
     bad = count_non_finite(t)
     if bad:
-        raise NonFiniteError(f"tensor {name}: {where} holds {bad} NaN/Inf value(s)")
+        raise non_finite_error(name, where, bad)
+
+
+def non_finite_error(name: str, where: str, count: int) -> NonFiniteError:
+    """The error for ``count`` NaN/±Inf values found in tensor ``name`` of ``where``."""
+    return NonFiniteError(f"tensor {name}: {where} holds {count} NaN/Inf value(s)")
 
 
 def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:

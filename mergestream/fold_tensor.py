@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from . import residuals
+from . import linear_fold
 from .checkpoints import (
     Checkpoint,
     check_finite_tensor,
@@ -93,7 +93,7 @@ class TensorFolder:
         if e is not None and self.lin is None:
             check_finite_tensor(name, e, self.where)
         if self.lin is not None:
-            residuals.fold_linear(name, e, self.lin, base_ck, None if first else cur, dev, contrib, self.where)
+            linear_fold.fold_linear(name, e, self.lin, base_ck, None if first else cur, dev, contrib, self.where)
             write_with_aliases(out.writer, name, e, self.aliases)
             out.stats.add({}, meta.numel, meta.nbytes * (1 if first else 2))  # θ₀ (and θ_{t−1})
             return

@@ -39,10 +39,10 @@ uses no exactness data. This saves writing the
 model's size per fold: on the 1 GiB bf16 benchmark a later Task Arithmetic fold went from 4.8 to
 3.1 s with no residual written at all (``bench/fold_speed.py``; README, "Unmerge").
 
-Fold paths: :meth:`ResidualWriter.add` for whole tensors (computed in chunks); :func:`fold_linear` folds a
-:meth:`~mergestream.policies.Policy.linear_scale` policy in chunks of
-:data:`~mergestream.stream.CHUNK_ELEMENTS` elements, computing the exception list on the way
-(format 3).
+Fold paths: :meth:`ResidualWriter.add` for whole tensors (computed in chunks);
+:func:`mergestream.linear_fold.fold_linear` folds a :meth:`~mergestream.policies.Policy.linear_scale`
+policy in chunks of :data:`~mergestream.stream.CHUNK_ELEMENTS` elements, computing the exception
+list on the way (format 3).
 """
 
 from __future__ import annotations
@@ -55,14 +55,12 @@ import torch
 
 from . import stream
 from .checkpoints import (
-    Checkpoint,
     TensorMeta,
-    check_finite_tensor,
     is_float_dtype,
     open_checkpoint,
     open_safetensors_file,
 )
-from .errors import NonFiniteError, StateError
+from .errors import StateError
 from .s3_checkpoint import is_s3_path
 from .stream import scratch
 from .writers import AppendWriter, tensor_bytes
@@ -247,7 +245,7 @@ class ResidualWriter:
         path: the file (a ``*.tmp`` name from :meth:`mergestream.state.StateDir.new_file`).
         metas: θ₀'s tensors (to size the header). expert_id: stored in the metadata.
         recompute_lambda: λ of a linear fold (format 3: only exception lists, see the module
-            docstring; :func:`fold_linear` calls :meth:`linear_exceptions`), or None (format 2).
+            docstring; :func:`~mergestream.linear_fold.fold_linear` calls :meth:`linear_exceptions`), or None (format 2).
         expert_path: format 3: the expert file Δ is recomputed from (for :func:`open_contribution`).
     """
 
@@ -298,11 +296,16 @@ class ResidualWriter:
             alt = _neighbour_bits(c)
             ne_t = torch.ne(cb, pb)
             ne, miss = ne_t.cpu().numpy(), np.flatnonzero(torch.ne(alt, pb).logical_and_(ne_t).cpu().numpy())
-        self._w.write_range(ties_start + elem_offset // 8, np.packbits(ne).tobytes())
+        self.write_ties(ties_start, elem_offset, np.packbits(ne).tobytes())
         idx = torch.from_numpy(miss)
         if not idx.numel():
             return None
         return idx + elem_offset, prev[idx.to(dev)].cpu()
+
+    def write_ties(self, ties_start: int, elem_offset: int, packed: bytes) -> None:
+        """Write one chunk's tie bits (``numpy.packbits`` order) into the bitmask at ``ties_start``
+        (:meth:`reserve_ties`); ``elem_offset``: the chunk's first element (a multiple of 8)."""
+        self._w.write_range(ties_start + elem_offset // 8, packed)
 
     def reserve(self, meta: TensorMeta) -> int:
         """Plan ``meta``'s residual (filled by :meth:`chunk`); returns its data start."""
@@ -399,103 +402,6 @@ class ResidualReader:
 
     def close(self) -> None:
         self._ck.close()
-
-
-def fold_linear(name: str, e: torch.Tensor, lam: float, base: Checkpoint, backbone: Checkpoint | None,
-                dev: torch.device, contrib: ResidualWriter | None, where: str,
-                chunk_elements: int | None = None) -> None:
-    """Fold Δ = λ·τ for one tensor in chunks, writing θ_t into ``e``'s own memory.
-
-    Same arithmetic as the whole-tensor path (τ = e − θ₀ in float32, ×λ, + θ_{t−1}, cast), so
-    the result is bit-identical to it; temporaries are a few reused float32 chunk buffers per
-    thread instead of tensor-sized allocations.
-
-    Args:
-        e: the expert's tensor as stored (CPU, fresh memory; overwritten with θ_t).
-        lam: λ. base: θ₀. backbone: θ_{t−1}, or None at the first fold (θ_{t−1} = θ₀).
-        contrib: where the tie bits and exception list go (format 3: ``ResidualWriter(...,
-            recompute_lambda=λ)``; None: nothing stored).
-        where: the expert's description for error messages.
-
-    Raises:
-        NonFiniteError: the expert holds NaN/Inf, or a result overflows the storage dtype.
-    """
-    meta = base.meta(name)
-    dtype = meta.dtype
-    assert is_float_dtype(dtype)
-    m = math_dtype(dtype)
-    step = chunk_elements or stream.CHUNK_ELEMENTS
-    isz = dtype.itemsize
-    flat = e.reshape(-1)
-    n = flat.numel()
-    step = max(8, step - step % 8)  # whole bytes of the tie bitmask per chunk
-    # the first fold's file needs λ only: subtracting the only fold writes θ₀ itself (unmerge), so
-    # its tie bits and misses would never be read (a first 1 GiB fold: 3.6 -> 2 s without them)
-    exact = contrib is not None and backbone is not None
-    ties_start = contrib.reserve_ties(meta) if exact else 0
-    exceptions = []
-    cpu = torch.device("cpu")
-    for s in range(0, n, step):
-        k = min(step, n - s)
-        ec = flat[s:s + k]
-        b_raw = base.read_into(name, scratch("base", k * isz, torch.uint8, cpu), s * isz).view(dtype)
-        d, bf = task_vector_chunk(ec, b_raw, lam, dev)
-        if backbone is None:
-            prev_raw, pf = b_raw, bf
-        else:
-            prev_raw = backbone.read_into(name, scratch("prev", k * isz, torch.uint8, cpu), s * isz).view(dtype)
-            pf = scratch("p", k, m, dev).copy_(prev_raw)
-        y = torch.add(d, pf, out=scratch("y", k, m, dev))
-        out_c = scratch("out", k, dtype, dev).copy_(y)
-        y.copy_(out_c)  # θ_t as stored, back in the math dtype
-        # one reduction catches both NaN/Inf in the expert (still intact in ec) and an overflow of the
-        # sum or of the cast to the storage dtype; only then is it told apart which it was
-        if not bool(torch.isfinite(y.sum())):
-            check_finite_tensor(name, ec, where)
-            raise NonFiniteError(f"tensor {name}: the fold's result is not finite in {dtype} (overflow?); "
-                                 "nothing written")
-        ec.copy_(out_c)
-        if exact:
-            exc = contrib.linear_exceptions(ties_start, s, out_c, d, prev_raw, y)
-            if exc is not None:
-                exceptions.append(exc)
-    if exact:
-        contrib.finish(name, exceptions)
-
-
-def subtract_linear(name: str, cur_s: torch.Tensor, e: torch.Tensor, lam: float, base: Checkpoint,
-                    dev: torch.device, exact: ResidualReader | None = None,
-                    chunk_elements: int | None = None) -> torch.Tensor:
-    """Subtract-unmerge of a format-3 fold for one tensor: rd(θ − λ·(e − θ₀)), in chunks.
-
-    Args:
-        cur_s: θ as stored (CPU, fresh memory: overwritten with the result and returned).
-        e: the fold's expert tensor as stored (same shape). lam: the fold's λ
-            (:attr:`ResidualReader.recompute_lambda`). base: θ₀. dev: the math device.
-        exact: the fold's residual file, only when θ is that fold's output: its tie bits and
-            exception list then give θ_{t−1} byte for byte (:func:`recover_previous`).
-
-    Returns:
-        ``cur_s`` holding the result (θ's dtype and shape).
-    """
-    dtype = cur_s.dtype
-    isz, step = dtype.itemsize, chunk_elements or stream.CHUNK_ELEMENTS
-    step = max(8, step - step % 8)
-    flat, ef = cur_s.reshape(-1), e.reshape(-1)
-    n = flat.numel()
-    ties = index = value = None
-    if exact is not None:
-        ties, index, value = exact.linear(name)
-        ties = np.unpackbits(ties.numpy(), count=n).astype(bool) if ties is not None else np.zeros(n, dtype=bool)
-    cpu = torch.device("cpu")
-    for s in range(0, n, step):
-        k = min(step, n - s)
-        b_raw = base.read_into(name, scratch("base", k * isz, torch.uint8, cpu), s * isz).view(dtype)
-        d, _ = task_vector_chunk(ef[s:s + k], b_raw, lam, dev)
-        flat[s:s + k].copy_(recover_previous(flat[s:s + k].to(dev), d, None if ties is None else ties[s:s + k]))
-    if index is not None and index.numel():
-        flat[index.to(torch.int64)] = value.to(dtype)
-    return cur_s
 
 
 class LinearContribution:

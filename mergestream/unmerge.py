@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from . import residuals
+from . import linear_fold, residuals
 from ._alloc import pin_mmap_threshold
 from .checkpoints import DEFAULT_SHARD_BYTES, is_float_dtype, validate_against_base
 from .errors import CorruptCheckpointError, MergestreamError, StateError
@@ -172,7 +172,7 @@ def subtract(sd: StateDir, k: int, *, out, base, backbone, device, threads, max_
                     with lock:
                         st = sd.tensor_state(name)
                     if lam is not None:
-                        result = residuals.subtract_linear(name, cur_s, e, lam, base_ck, dev,
+                        result = linear_fold.subtract_linear(name, cur_s, e, lam, base_ck, dev,
                                                            contrib if exact else None)
                     elif contrib is not None:
                         r, idx, val = contrib.get(name)
