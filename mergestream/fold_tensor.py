@@ -70,6 +70,12 @@ class TensorFolder:
         self.first = cur is base_ck
         self.search = pol.searches_coefficients()
         self.lin = pol.linear_scale() if isinstance(exp, DenseExpert) else None
+        self.compiled = False
+        if self.lin is not None:
+            bf16 = sum(m.numel for m in base_ck.metas() if m.dtype == torch.bfloat16)
+            # loaded here, before the workers start, so that they do not queue on the import
+            self.compiled = linear_fold.compiled_loop_pays(bf16, dev) and \
+                linear_fold.load_compiled(torch.bfloat16, dev) is not None
         self.tensor_hook = tensor_hook
         self.n_blocks = block_count(base_ck.keys())
         self._lock = threading.Lock()
@@ -93,7 +99,8 @@ class TensorFolder:
         if e is not None and self.lin is None:
             check_finite_tensor(name, e, self.where)
         if self.lin is not None:
-            linear_fold.fold_linear(name, e, self.lin, base_ck, None if first else cur, dev, contrib, self.where)
+            linear_fold.fold_linear(name, e, self.lin, base_ck, None if first else cur, dev, contrib, self.where,
+                                    compiled=self.compiled)
             write_with_aliases(out.writer, name, e, self.aliases)
             out.stats.add({}, meta.numel, meta.nbytes * (1 if first else 2))  # θ₀ (and θ_{t−1})
             return

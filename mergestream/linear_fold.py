@@ -2,11 +2,14 @@
 chunks of :data:`~mergestream.stream.CHUNK_ELEMENTS` elements with per-thread buffers (format 3 of
 :mod:`mergestream.residuals`: Δ = λ·(e − θ₀) recomputed, the tie bits and misses written on the way).
 
-A bf16 chunk on the CPU is folded by one compiled loop (:mod:`mergestream.fused`), every other one
-in torch; both give the same bits (tests/test_fused.py).
+A bf16 chunk on the CPU is folded by one compiled loop (:mod:`mergestream.fused`) when the fold is
+large enough to pay for loading it (:func:`compiled_loop_pays`), every other one in torch; both give
+the same bits (tests/test_fused.py).
 """
 
 from __future__ import annotations
+
+import sys
 
 import numpy as np
 import torch
@@ -17,18 +20,32 @@ from .errors import NonFiniteError
 from .residuals import ResidualReader, ResidualWriter, math_dtype, recover_previous, task_vector_chunk
 from .stream import scratch
 
-__all__ = ["fold_linear", "subtract_linear"]
+__all__ = ["fold_linear", "subtract_linear", "compiled_loop_pays", "load_compiled", "COMPILED_MIN_ENTRIES"]
+
+#: bf16 entries of a fold from which loading the compiled loop pays: importing numba and loading the
+#: cached kernels costs ~1 s of one core once per process, the loop saves ~5 (first fold) to ~8
+#: (later fold) ms of CPU per 1M entries against the torch path (2 GHz AVX2 EPYC): even at about
+#: 2²⁸ entries (512 MiB of bf16). A process that has it loaded (a daemon) uses it for every size.
+COMPILED_MIN_ENTRIES = 1 << 28
+
+
+def compiled_loop_pays(entries: int, dev: torch.device) -> bool:
+    """Whether a fold of ``entries`` bf16 entries on ``dev`` should use :mod:`mergestream.fused`:
+    on the CPU, when it is loaded already or the fold is at least :data:`COMPILED_MIN_ENTRIES`.
+    Load it (on the calling thread) with :func:`load_compiled` before the workers start."""
+    return dev.type == "cpu" and ("mergestream.fused" in sys.modules or entries >= COMPILED_MIN_ENTRIES)
 
 
 def fold_linear(name: str, e: torch.Tensor, lam: float, base: Checkpoint, backbone: Checkpoint | None,
                 dev: torch.device, contrib: ResidualWriter | None, where: str,
-                chunk_elements: int | None = None) -> None:
+                chunk_elements: int | None = None, compiled: bool = False) -> None:
     """Fold Δ = λ·τ for one tensor in chunks, writing θ_t into ``e``'s own memory.
 
     Same arithmetic as the whole-tensor path (τ = e − θ₀ in float32, ×λ, + θ_{t−1}, cast), so
     the result is bit-identical to it; temporaries are a few reused float32 chunk buffers per
     thread instead of tensor-sized allocations. bf16 on the CPU runs each chunk, exceptions
-    included, as one compiled loop (:mod:`mergestream.fused`, the same bits; 4x less CPU).
+    included, as one compiled loop when ``compiled`` (:mod:`mergestream.fused`, the same bits, a
+    third of the CPU; see :func:`compiled_loop_pays`).
 
     Args:
         e: the expert's tensor as stored (CPU, fresh memory; overwritten with θ_t).
@@ -36,6 +53,7 @@ def fold_linear(name: str, e: torch.Tensor, lam: float, base: Checkpoint, backbo
         contrib: where the tie bits and exception list go (format 3: ``ResidualWriter(...,
             recompute_lambda=λ)``; None: nothing stored).
         where: the expert's description for error messages.
+        compiled: use :mod:`mergestream.fused` where it applies (bf16 on the CPU).
 
     Raises:
         NonFiniteError: the expert holds NaN/Inf, or a result overflows the storage dtype.
@@ -54,7 +72,7 @@ def fold_linear(name: str, e: torch.Tensor, lam: float, base: Checkpoint, backbo
     ties_start = contrib.reserve_ties(meta) if exact else 0
     exceptions = []
     cpu = torch.device("cpu")
-    fused = _fused(dtype, dev)
+    fused = load_compiled(dtype, dev) if compiled else None
     for s in range(0, n, step):
         k = min(step, n - s)
         ec = flat[s:s + k]
@@ -73,7 +91,7 @@ def fold_linear(name: str, e: torch.Tensor, lam: float, base: Checkpoint, backbo
         contrib.finish(name, exceptions)
 
 
-def _fused(dtype: torch.dtype, dev: torch.device):
+def load_compiled(dtype: torch.dtype, dev: torch.device):
     """:mod:`mergestream.fused` when its compiled loop serves ``dtype`` on ``dev``, else None."""
     if dtype != torch.bfloat16 or dev.type != "cpu":
         return None

@@ -3,13 +3,15 @@ path: θ_t, the tie bits and the misses of format 3, and the same refusals of no
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from mergestream import engine, fused, residuals, stream
+from mergestream import engine, fused, linear_fold, residuals, stream
 from mergestream.checkpoints import read_state_dict
 from mergestream.errors import NonFiniteError
 from mergestream.state import StateDir
@@ -81,6 +83,7 @@ def _folds(tmp: Path, monkeypatch, enabled: bool) -> tuple[Path, Path]:
     """θ₀ and three experts folded in turn (bf16, chunks of 1000 entries, so tensors span several
     chunks and end in a partial one); returns (the state folder, the last backbone)."""
     monkeypatch.setattr(fused, "ENABLED", enabled)
+    monkeypatch.setattr(linear_fold, "COMPILED_MIN_ENTRIES", 0)  # these small models too
     monkeypatch.setattr(stream, "CHUNK_ELEMENTS", 1000)
     base = random_model(3, torch.bfloat16, m=96, n=70)
     g = torch.Generator().manual_seed(5)
@@ -123,10 +126,13 @@ def test_folds_with_and_without_the_compiled_loop_write_the_same_bytes(tmp_path,
     _same_tensors(tmp_path / "minus", tmp_path / "True" / "v1")
 
 
+@pytest.mark.parametrize("enabled", [True, False], ids=["compiled", "torch"])
 @pytest.mark.parametrize("where", ["expert", "overflow"])
-def test_fused_fold_refuses_non_finite_like_the_torch_path(tmp_path, where):
-    """A NaN in the expert late in a tensor, or a sum past bf16's largest value: the same error as
-    the torch path, and no output."""
+def test_fused_fold_refuses_non_finite_like_the_torch_path(tmp_path, monkeypatch, where, enabled):
+    """A NaN in the expert late in a tensor, or a sum past bf16's largest value: the same error on
+    both paths, and no output."""
+    monkeypatch.setattr(fused, "ENABLED", enabled)
+    monkeypatch.setattr(linear_fold, "COMPILED_MIN_ENTRIES", 0)
     base = random_model(1, torch.bfloat16, m=64, n=48)
     exp = perturb(base, 0.01, 2)
     name = "layer.0.mlp.weight"
@@ -142,3 +148,23 @@ def test_fused_fold_refuses_non_finite_like_the_torch_path(tmp_path, where):
                     out=tmp_path / "out")
     assert name in str(err.value)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_small_fold_does_not_load_numba_and_a_large_one_would(tmp_path):
+    """Loading numba costs about a second once per process: a fold below
+    linear_fold.COMPILED_MIN_ENTRIES bf16 entries stays on the torch path and never imports it (a
+    fresh interpreter, as the CLI runs); from the threshold on, or once loaded, the loop is used."""
+    base = random_model(1, torch.bfloat16)
+    bpath = save_tensors(tmp_path / "base.safetensors", base)
+    epath = save_tensors(tmp_path / "e.safetensors", perturb(base, 0.01, 2))
+    code = ("import sys; from mergestream import engine; "
+            f"engine.fold({str(bpath)!r}, None, {str(epath)!r}, 'task_arithmetic', {{'lambda': 0.5}}, "
+            f"state_dir={str(tmp_path / 's')!r}, out={str(tmp_path / 'out')!r}); "
+            "print('numba' in sys.modules, 'mergestream.fused' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["False", "False"]
+    cpu = torch.device("cpu")
+    assert linear_fold.compiled_loop_pays(linear_fold.COMPILED_MIN_ENTRIES, cpu)
+    assert not linear_fold.compiled_loop_pays(linear_fold.COMPILED_MIN_ENTRIES, torch.device("cuda"))
+    assert linear_fold.compiled_loop_pays(1, cpu)  # this process has it loaded (the tests above)
