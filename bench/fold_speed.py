@@ -951,6 +951,11 @@ def mergestream_source(args: argparse.Namespace) -> tuple[dict[str, str] | None,
     # bytecode, as an installed package has: otherwise, where PYTHONDONTWRITEBYTECODE is set, every
     # timed child compiles the modules it imports again
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(dest / "mergestream")], check=True)
+    # and the compiled loop's machine code (numba's cache beside it), as the first fold after an
+    # install leaves it: otherwise the first timed child compiles it (seconds)
+    if (dest / "mergestream" / "fused.py").exists():
+        subprocess.run([sys.executable, "-c", "import mergestream.fused"], check=True,
+                       env=dict(os.environ, PYTHONPATH=str(dest)))
     info.update(source=f"git snapshot {sha}", rev=args.rev, commit=sha, path=str(dest))
     return dict(os.environ, PYTHONPATH=str(dest)), info
 
