@@ -23,9 +23,10 @@ from .stream import scratch
 __all__ = ["fold_linear", "subtract_linear", "compiled_loop_pays", "load_compiled", "COMPILED_MIN_ENTRIES"]
 
 #: bf16 entries of a fold from which loading the compiled loop pays: importing numba and loading the
-#: cached kernels costs ~1 s of one core once per process, the loop saves ~5 (first fold) to ~8
-#: (later fold) ms of CPU per 1M entries against the torch path (2 GHz AVX2 EPYC): even at about
-#: 2²⁸ entries (512 MiB of bf16). A process that has it loaded (a daemon) uses it for every size.
+#: cached kernels costs ~1 s of wall time once per process, the loop saves ~5 (first fold) to ~8
+#: (later fold) ms of CPU per 1M entries against the torch path (2 GHz AVX2 EPYC, two workers), so
+#: the two break even near 2²⁸ entries (512 MiB of bf16; at 1 GiB the loop was 0.9-1.6 s faster).
+#: A process that has it loaded (a daemon) uses it for every size.
 COMPILED_MIN_ENTRIES = 1 << 28
 
 
