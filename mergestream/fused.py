@@ -10,14 +10,15 @@ over float32 chunk buffers: about 16 passes, 12 ms of one core per 1M entries of
 the 2 GHz AVX2 EPYC of bench/results/fold_speed_ta_epyc.md, more than the I/O and hashing of the
 same bytes. Here the same float32 operations run in the same order inside one vectorised loop
 (no fused multiply-add: numba does not contract without ``fastmath``), so the results are bit for
-bit those of the torch path (tests compare both on every kind of value): 2.7 ms per 1M.
+bit those of the torch path (tests compare both on every kind of value): 2.7-3.9 ms per 1M.
 
 bf16 → float32 is exact (the upper half of the float32 pattern); float32 → bf16 rounds to nearest,
 ties to even, as torch does: (u + 0x7FFF + bit 16 of u) >> 16 of the pattern u. NaN patterns
 differ from torch's, which never matters: a non-finite result stops the fold.
 
-Only little-endian CPUs with numba; everything else (CUDA, fp16, fp32, numba missing, or
-:data:`ENABLED` off) keeps the torch path, which stays the reference.
+Only little-endian CPUs with numba, and only folds that pay for loading it
+(:func:`mergestream.linear_fold.compiled_loop_pays`); everything else (CUDA, fp16, fp32, smaller
+folds, numba missing, or :data:`ENABLED` off) keeps the torch path, which stays the reference.
 """
 
 from __future__ import annotations
