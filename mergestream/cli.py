@@ -84,8 +84,9 @@ def _engine_options(fn):
     fn = click.option("--max-shard-size", "max_shard_bytes", default=5 * 1024**3, show_default=True,
                       type=click.IntRange(1), help="output shard cap in bytes")(fn)
     fn = click.option("--executor", default="local", show_default=True, type=click.Choice(["local", "ray"]),
-                      help="where the per-tensor map runs: local threads, or a Ray cluster (pip install -e "
-                           "'.[ray]' from the checkout; inputs on storage every worker reaches)")(fn)
+                      help="where the per-tensor map runs: local threads, or a Ray cluster (pip install -c "
+                           "constraints.txt -e '.[ray]' from the checkout; inputs on storage every worker "
+                           "reaches)")(fn)
     fn = click.option("--ray-address", help="Ray cluster to join (auto, ray://head:10001); default: RAY_ADDRESS, "
                                             "else a local Ray instance")(fn)
     return fn

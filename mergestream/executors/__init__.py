@@ -59,5 +59,6 @@ def make_executor(kind: str = "local", address: str | None = None, **options: An
     try:
         from .ray_cluster import RayExecutor
     except ImportError as exc:  # pragma: no cover - depends on the install
-        raise MergestreamError("executor ray needs the ray extra: pip install -e '.[ray]' from the checkout") from exc
+        raise MergestreamError("executor ray needs the ray extra: pip install -c constraints.txt -e '.[ray]' "
+                               "from the checkout") from exc
     return RayExecutor(address, **options)
