@@ -103,6 +103,11 @@ def load_compiled(dtype: torch.dtype, dev: torch.device):
     return fused if fused.applies(dtype, dev) else None
 
 
+def _overflow(name: str, dtype: torch.dtype) -> NonFiniteError:
+    """The error for a fold whose result is not finite in the storage dtype (a finite expert)."""
+    return NonFiniteError(f"tensor {name}: the fold's result is not finite in {dtype} (overflow?); nothing written")
+
+
 def _fold_chunk_fused(fused, name: str, ec: torch.Tensor, b_raw: torch.Tensor, prev_raw: torch.Tensor | None,
                       lam: float, contrib: ResidualWriter | None, ties_start: int, s: int, where: str
                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -113,8 +118,7 @@ def _fold_chunk_fused(fused, name: str, ec: torch.Tensor, b_raw: torch.Tensor, p
     if bad_e:
         raise non_finite_error(name, where, bad_e)
     if bad:
-        raise NonFiniteError(f"tensor {name}: the fold's result is not finite in {ec.dtype} (overflow?); "
-                             "nothing written")
+        raise _overflow(name, ec.dtype)
     if contrib is None:
         return None
     ties, miss = fused.exceptions(codes)
@@ -144,8 +148,7 @@ def _fold_chunk_torch(name: str, ec: torch.Tensor, b_raw: torch.Tensor, prev_raw
     # sum or of the cast to the storage dtype; only then is it told apart which it was
     if not bool(torch.isfinite(y.sum())):
         check_finite_tensor(name, ec, where)
-        raise NonFiniteError(f"tensor {name}: the fold's result is not finite in {dtype} (overflow?); "
-                             "nothing written")
+        raise _overflow(name, dtype)
     ec.copy_(out_c)
     if contrib is None:
         return None
