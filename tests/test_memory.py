@@ -52,31 +52,61 @@ def _peak_rss(base, expert, policy, params, state, out) -> int:
     return int(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """One folder for the module's models, shared by its tests (writing a GiB-sized model costs
+    seconds of CPU); removed when the module ends (pytest keeps the last three runs' temporary
+    folders, which would otherwise hold GBs)."""
+    folder = tmp_path_factory.mktemp("memory")
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 @pytest.fixture(autouse=True)
 def _free_the_disk(tmp_path):
-    """These models are GiB-sized: remove each test's files when it ends (pytest keeps the last three
-    runs' temporary folders, which would otherwise hold ~20 GB)."""
+    """Each test's own outputs are removed when it ends, like the shared models at the module's end."""
     yield
     shutil.rmtree(tmp_path, ignore_errors=True)
 
 
+@pytest.fixture(scope="module")
+def large_models(workdir):
+    """θ₀ and an expert of N_TENSORS (ROWS, COLS) float32 tensors in 512 MiB shards (1.13 GiB each)."""
+    return (_write_model(workdir / "base", 0, N_TENSORS, ROWS, COLS, 512 * 1024**2),
+            _write_model(workdir / "expert", 1, N_TENSORS, ROWS, COLS, 512 * 1024**2))
+
+
+@pytest.fixture(scope="module")
+def baseline(workdir):
+    """The interpreter/import baseline of a policy's fold: its peak RSS (bytes) on a tiny model of
+    the same layout (three (8, 16) tensors), measured once per (policy, params)."""
+    tiny = (_write_model(workdir / "tiny-base", 0, 3, 8, 16, 10**9),
+            _write_model(workdir / "tiny-expert", 1, 3, 8, 16, 10**9))
+    seen: dict[str, int] = {}
+
+    def measure(policy, params):
+        key = f"{policy}-{json.dumps(params, sort_keys=True)}"
+        if key not in seen:
+            seen[key] = _peak_rss(*tiny, policy, params, workdir / f"tiny-state-{len(seen)}",
+                                  workdir / f"tiny-out-{len(seen)}")
+        return seen[key]
+
+    return measure
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("policy,params", [("task_arithmetic", {"lambda": 0.3}), ("mdm_oc", {"alpha": 0.3})])
-def test_fold_peak_rss_is_a_few_tensors(tmp_path, policy, params):
+def test_fold_peak_rss_is_a_few_tensors(tmp_path, policy, params, large_models, baseline):
     largest = ROWS * COLS * 4
-    base = _write_model(tmp_path / "base", 0, N_TENSORS, ROWS, COLS, 512 * 1024**2)
-    expert = _write_model(tmp_path / "expert", 1, N_TENSORS, ROWS, COLS, 512 * 1024**2)
+    base, expert = large_models
     total = sum(f.stat().st_size for f in base.glob("*.safetensors"))
     assert total >= 1024**3 and total >= 20 * largest
-    # interpreter baseline: the same fold on a tiny model of the same layout
-    tiny_b = _write_model(tmp_path / "tiny-base", 0, 3, 8, 16, 10**9)
-    tiny_e = _write_model(tmp_path / "tiny-expert", 1, 3, 8, 16, 10**9)
-    baseline = _peak_rss(tiny_b, tiny_e, policy, params, tmp_path / "tiny-state", tmp_path / "tiny-out")
+    base_rss = baseline(policy, params)
     peak = _peak_rss(base, expert, policy, params, tmp_path / "state", tmp_path / "out")
     mib = 1024**2
-    print(f"{policy}: baseline {baseline / mib:.0f} MiB, peak {peak / mib:.0f} MiB, "
+    print(f"{policy}: baseline {base_rss / mib:.0f} MiB, peak {peak / mib:.0f} MiB, "
           f"largest tensor {largest / mib:.0f} MiB, model {total / mib:.0f} MiB")
-    assert peak - baseline < 4 * largest, (peak - baseline) / largest
+    assert peak - base_rss < 4 * largest, (peak - base_rss) / largest
     assert (tmp_path / "out" / "model.safetensors.index.json").exists()
 
 
@@ -95,28 +125,38 @@ def _as_legacy(folder, path, container):
     return path
 
 
+@pytest.fixture(scope="module")
+def legacy_reference(workdir):
+    """θ₀ and an expert of N_TENSORS (LEGACY_ROWS, COLS) float32 tensors as single safetensors files,
+    and the peak RSS (bytes) of their Task Arithmetic fold: what a fold from a pickle is held to."""
+    base = _write_model(workdir / "legacy-base", 0, N_TENSORS, LEGACY_ROWS, COLS, 10**10)
+    expert = _write_model(workdir / "legacy-expert", 1, N_TENSORS, LEGACY_ROWS, COLS, 10**10)
+    peak = _peak_rss(base, expert, "task_arithmetic", {"lambda": 0.3}, workdir / "legacy-state",
+                     workdir / "legacy-out")
+    return base, expert, peak
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("which,suffix,container", [("expert", ".bin", "flat"), ("base", ".pt", "flat"),
                                                     ("expert", ".ckpt", "lightning")])
-def test_fold_peak_rss_is_a_few_tensors_for_legacy_pickles(tmp_path, which, suffix, container):
+def test_fold_peak_rss_is_a_few_tensors_for_legacy_pickles(tmp_path, which, suffix, container, legacy_reference):
     """A legacy pickle is read tensor by tensor with positional reads into fresh memory: its mapped
     pages are never made resident (nor privately copied), so a fold's peak is that of the same fold
     on safetensors (within a tensor or two: no pooled read buffers), whatever the model size (R4)."""
     largest = LEGACY_ROWS * COLS * 4
 
-    def models(tag, n, rows):
-        base = _write_model(tmp_path / f"{tag}base", 0, n, rows, COLS, 10**10)
-        expert = _write_model(tmp_path / f"{tag}expert", 1, n, rows, COLS, 10**10)
+    def as_legacy(base, expert, tag):
         if which == "base":
-            return (base, expert), (_as_legacy(base, tmp_path / f"{tag}base{suffix}", container), expert)
-        return (base, expert), (base, _as_legacy(expert, tmp_path / f"{tag}expert{suffix}", container))
+            return _as_legacy(base, tmp_path / f"{tag}base{suffix}", container), expert
+        return base, _as_legacy(expert, tmp_path / f"{tag}expert{suffix}", container)
 
-    (st_base, st_expert), (base, expert) = models("", N_TENSORS, LEGACY_ROWS)
+    st_base, st_expert, reference = legacy_reference
+    base, expert = as_legacy(st_base, st_expert, "")
     total = N_TENSORS * largest
-    _, (tiny_b, tiny_e) = models("tiny-", 3, 8)
+    tiny_b, tiny_e = as_legacy(_write_model(tmp_path / "tiny-base", 0, 3, 8, 16, 10**10),
+                               _write_model(tmp_path / "tiny-expert", 1, 3, 8, 16, 10**10), "tiny-")
     params = {"lambda": 0.3}
     baseline = _peak_rss(tiny_b, tiny_e, "task_arithmetic", params, tmp_path / "tiny-state", tmp_path / "tiny-out")
-    reference = _peak_rss(st_base, st_expert, "task_arithmetic", params, tmp_path / "st-state", tmp_path / "st-out")
     peak = _peak_rss(base, expert, "task_arithmetic", params, tmp_path / "state", tmp_path / "out")
     mib = 1024**2
     print(f"{which}{suffix}: baseline {baseline / mib:.0f} MiB, safetensors {reference / mib:.0f} MiB, "
