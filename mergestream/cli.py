@@ -484,19 +484,54 @@ def _report(rep, as_json: bool) -> None:
                    f" ({rep.bytes_written:,} bytes written{'; ' + extra if extra else ''})")
 
 
+#: One-shot verbs whose process ends as soon as they succeed (:func:`_exit_now`): everything they
+#: write is committed (fsynced and renamed) before they return.
+FAST_EXIT_VERBS = frozenset({"fold", "merge", "unmerge", "inspect"})
+_succeeded: list[str] = []  # the FAST_EXIT_VERBS command that returned normally, if any
+
+
 def main() -> None:
     """Console-script entry point.
 
     The cyclic garbage collector is off while the command line is parsed: parsing ``--policy``
     imports torch (~10⁶ objects), and the collections that import triggers cost ~0.25 s of a
     fold's start-up. Every command turns it back on before it runs (:func:`_parsing_done`).
+
+    After a :data:`FAST_EXIT_VERBS` command succeeds, the process ends without the interpreter's
+    teardown (:func:`_exit_now`): tearing down torch's modules took 0.4 s of every command.
     """
     gc.disable()
+    code: int | str | None = 0
     try:
         _gc_back_on_before_run(cli)
         cli(prog_name="mergestream")
+    except SystemExit as exc:
+        code = exc.code
     finally:
         _parsing_done()
+    if code in (0, None) and _succeeded:
+        _exit_now()
+    sys.exit(code)
+
+
+def _exit_now() -> None:
+    """End a process whose command has succeeded, skipping the interpreter's teardown (module and
+    object finalisation). What a normal exit does that matters is done first: the atexit hooks
+    (logging's flush among them) and stdout/stderr flushed. Only when the main thread is the last
+    thread: a normal exit would join the others first."""
+    import atexit
+    import os
+    import threading
+
+    if threading.active_count() > 1:
+        return
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: a normal exit would not report it either
+            pass
+    os._exit(0)
 
 
 def _gc_back_on_before_run(group: click.Group) -> None:
@@ -505,14 +540,17 @@ def _gc_back_on_before_run(group: click.Group) -> None:
         if isinstance(cmd, click.Group):
             _gc_back_on_before_run(cmd)
         if cmd.callback is not None and not getattr(cmd.callback, "_gc_wrapped", False):
-            cmd.callback = _run_with_gc(cmd.callback)
+            cmd.callback = _run_with_gc(cmd.callback, cmd.name if group is cli else None)
 
 
-def _run_with_gc(fn):
+def _run_with_gc(fn, verb: str | None = None):
     @functools.wraps(fn)
     def run(*args, **kwargs):
         _parsing_done()
-        return fn(*args, **kwargs)
+        result = fn(*args, **kwargs)
+        if verb in FAST_EXIT_VERBS:
+            _succeeded.append(verb)
+        return result
 
     run._gc_wrapped = True
     return run

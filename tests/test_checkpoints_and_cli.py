@@ -4,6 +4,8 @@ on tiny real Hugging Face models."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -203,6 +205,61 @@ def test_cli_fold_merge_unmerge_inspect(tmp_path, tiny_bert):
     assert bad.returncode == 2 and "ghost" in bad.stderr and not (tmp_path / "x-out").exists()
     bad = run_cli("merge", "--base", tiny_bert, "--policy", "ties", "--out", tmp_path / "m", *experts, check=False)
     assert bad.returncode == 2 and "already exists" in bad.stderr
+
+
+EXIT_SCRIPT = """
+import atexit, os, sys, threading, time
+from pathlib import Path
+marks = Path(sys.argv[1])
+real_exit = os._exit
+
+def fast_exit(code):  # the exit that skips the interpreter's teardown, seen from outside
+    (marks / "fast").write_text(str(code))
+    real_exit(code)
+
+os._exit = fast_exit
+atexit.register(lambda: (marks / "atexit").write_text("ran"))
+
+def late_work():  # still working when the command returns (it ends 0.5 s after the output exists)
+    while not (marks.parent / "out").exists():
+        time.sleep(0.01)
+    time.sleep(0.5)
+    (marks / "thread").write_text("done")
+
+if sys.argv[2] == "thread":  # it must finish before the process ends
+    threading.Thread(target=late_work).start()
+sys.argv = ["mergestream", *sys.argv[3:]]
+from mergestream.cli import main
+main()
+"""
+
+
+@pytest.mark.parametrize("case", ["ok", "thread", "bad"])
+def test_a_one_shot_verb_ends_without_the_teardown_and_loses_nothing(tmp_path, case):
+    """After fold/merge/unmerge/inspect succeed, the CLI ends with os._exit (the interpreter's
+    teardown of torch took 0.4 s per command): the atexit hooks still run and stdout (a pipe, so
+    block-buffered) arrives whole; with another thread still alive, or after an error, the exit is
+    the normal one (the thread finishes, status 2 stays)."""
+    base = save_tensors(tmp_path / "base.safetensors", random_model(0))
+    expert = save_tensors(tmp_path / "expert.safetensors", perturb(random_model(0), 0.01, 1))
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    policy = "nope" if case == "bad" else "task_arithmetic"
+    proc = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(marks), case, "fold", "--base", str(base),
+                           "--expert", str(expert), "--policy", policy, "--state", str(tmp_path / "st"),
+                           "--out", str(tmp_path / "out"), "--json"], capture_output=True, text=True)
+    assert (marks / "atexit").read_text() == "ran"
+    if case == "bad":
+        assert proc.returncode == 2 and "unknown policy" in proc.stderr and not (tmp_path / "out").exists()
+        assert not (marks / "fast").exists()
+        return
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["experts"] == ["expert"]  # the whole report, flushed
+    check_merge_output(tmp_path / "out", base)
+    if case == "thread":
+        assert (marks / "thread").read_text() == "done" and not (marks / "fast").exists()
+    else:
+        assert (marks / "fast").read_text() == "0"
 
 
 def test_expert_id_defaults():
