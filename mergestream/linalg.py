@@ -14,8 +14,14 @@ import torch
 
 from .policies.lowrank import randomized_svd
 
-#: Exact SVD when m·n·min(m, n) stays under this (e.g. 4096×1024, 30522×384); randomized above.
+#: Exact SVD when the short side is at most :data:`EXACT_SVD_MAX_SIDE` and m·n·min(m, n) stays under
+#: this (e.g. 30522×384, MiniLM's word embeddings); randomized otherwise.
 EXACT_SVD_FLOPS = 1 << 33
+#: Longest short side of an exact SVD in ``auto``: a full SVD's cost grows faster on square matrices
+#: than m·n·min(m, n) says (one thread pair, 2 GHz EPYC: 2048×2048 2.5 s exact against 0.14 s
+#: randomized, 4096×1024 0.8 against 0.14 s, 30522×384 0.55 against 0.46 s). With 2048² attention
+#: matrices exact, the daemon's start-up probe of a 1 GiB Llama-shaped θ₀ took 70 s.
+EXACT_SVD_MAX_SIDE = 512
 SVD_MODES = ("auto", "exact", "lowrank")
 __all__ = ["randomized_svd", "top_singular_vectors", "subspace_energy", "cosine_matrix", "max_abs_cosine"]
 
@@ -25,7 +31,8 @@ def top_singular_vectors(a: torch.Tensor, k: int, mode: str = "auto") -> tuple[t
 
     Args:
         mode: ``exact`` (``torch.linalg.svd`` in a's dtype), ``lowrank`` (:func:`randomized_svd`)
-            or ``auto`` (exact while m·n·min(m, n) ≤ :data:`EXACT_SVD_FLOPS`, randomized above).
+            or ``auto`` (exact while min(m, n) ≤ :data:`EXACT_SVD_MAX_SIDE` and m·n·min(m, n) ≤
+            :data:`EXACT_SVD_FLOPS`, randomized otherwise).
 
     Raises:
         ValueError: an unknown mode.
@@ -34,7 +41,8 @@ def top_singular_vectors(a: torch.Tensor, k: int, mode: str = "auto") -> tuple[t
         raise ValueError(f"svd mode must be one of {SVD_MODES}, got {mode!r}")
     m, n = a.shape
     k = min(k, m, n)
-    exact = mode == "exact" or (mode == "auto" and m * n * min(m, n) <= EXACT_SVD_FLOPS)
+    exact = mode == "exact" or (mode == "auto" and min(m, n) <= EXACT_SVD_MAX_SIDE
+                                and m * n * min(m, n) <= EXACT_SVD_FLOPS)
     if exact:
         u, _, vh = torch.linalg.svd(a, full_matrices=False)
         return u[:, :k].contiguous(), vh[:k].T.contiguous()

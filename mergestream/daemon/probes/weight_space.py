@@ -81,7 +81,8 @@ class WeightSpaceProbe:
 
     Args:
         k: rank of θ₀'s "general" subspace per 2-D tensor (capped at min(m, n)).
-        svd: ``auto`` (exact SVD for small tensors, randomized subspace iteration above ~8.6 GFLOP),
+        svd: ``auto`` (exact SVD while the short side is at most 512 and m·n·min(m, n) ≤ 2³³,
+            randomized subspace iteration otherwise: :func:`mergestream.linalg.top_singular_vectors`),
             ``exact`` or ``lowrank``.
         chunk_bytes: memory cap (bytes) of the stacked float64 contribution slices held at once
             (a larger single row is read alone).
