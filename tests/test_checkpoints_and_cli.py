@@ -228,18 +228,21 @@ def late_work():  # still working when the command returns (it ends 0.5 s after 
 
 if sys.argv[2] == "thread":  # it must finish before the process ends
     threading.Thread(target=late_work).start()
+if sys.argv[2] == "daemon-thread":  # a normal exit would not wait for it either (tqdm's monitor is one)
+    threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
 sys.argv = ["mergestream", *sys.argv[3:]]
 from mergestream.cli import main
 main()
 """
 
 
-@pytest.mark.parametrize("case", ["ok", "thread", "bad"])
+@pytest.mark.parametrize("case", ["ok", "thread", "daemon-thread", "bad"])
 def test_a_one_shot_verb_ends_without_the_teardown_and_loses_nothing(tmp_path, case):
     """After fold/merge/unmerge/inspect succeed, the CLI ends with os._exit (the interpreter's
     teardown of torch took 0.4 s per command): the atexit hooks still run and stdout (a pipe, so
-    block-buffered) arrives whole; with another thread still alive, or after an error, the exit is
-    the normal one (the thread finishes, status 2 stays)."""
+    block-buffered) arrives whole; with another non-daemon thread still alive, or after an error,
+    the exit is the normal one (the thread finishes, status 2 stays); a daemon thread does not hold
+    it back."""
     base = save_tensors(tmp_path / "base.safetensors", random_model(0))
     expert = save_tensors(tmp_path / "expert.safetensors", perturb(random_model(0), 0.01, 1))
     marks = tmp_path / "marks"
