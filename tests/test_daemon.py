@@ -149,6 +149,8 @@ def test_three_experts_arrive_and_each_is_folded_once(daemon, tmp_path):
     assert len(dup) == 1 and dup[0]["decision"] == "rejected" and {dup[0]["expert_id"], accepted[1]} == {"e1", "e1-again"}
     assert daemon.metric("mergestream_current_version") == 3
     assert not list((tmp_path / "state" / "staging").iterdir())
+    # θ₀'s singular vectors of the weight-space probe are kept for the next start
+    assert len(list((tmp_path / "state" / "cache" / "probes").glob("weight_space-svd-*.safetensors"))) == 1
     # the published backbone equals the offline task-arithmetic sum of the three experts
     from mergestream.checkpoints import read_state_dict
 

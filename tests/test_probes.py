@@ -271,6 +271,54 @@ def test_general_subspace_energy_measures_the_step_not_the_total_drift(tmp_path)
     assert got["relative_drift"] == pytest.approx(math.hypot(0.05, 0.02) / float(w.norm()), rel=1e-4)
 
 
+def test_svd_vectors_are_kept_in_the_cache_dir_for_the_next_process(tmp_path, monkeypatch, caplog):
+    """With ``ctx.cache_dir`` (the daemon's state/cache/probes) θ₀'s U₀, V₀ outlive the process:
+    a new process (in-memory cache cleared) reads them instead of computing them and gets the
+    same energy bit for bit; a changed θ₀ gets new ones and its old file goes; an unreadable file
+    is recomputed and rewritten; without a cache folder nothing is written."""
+    import mergestream.inspection as I
+
+    k = 3
+    w, u, v = spectral_base(40, 32, k, seed=21)
+    d_in, d_out = inside_outside(u, v, seed=22)
+    base = save_tensors(tmp_path / "base.safetensors", {"w": w, "b": torch.zeros(32)})
+    cand = save_tensors(tmp_path / "cand.safetensors", {"w": w + 0.01 * (d_in + d_out), "b": torch.ones(32)})
+    cache = tmp_path / "cache"
+    probe = make_probe("weight_space", k=k)
+
+    def kept() -> list[Path]:
+        return sorted(cache.glob(f"{WS.SVD_FILE_PREFIX}*.safetensors"))
+
+    P.clear_caches()
+    first = probe(cand, ctx_for(base, cache_dir=cache))["general_subspace_energy"]
+    assert first == pytest.approx(0.5, abs=1e-4) and len(kept()) == 1
+    P.clear_caches()  # a new process
+    real = I.top_singular_vectors
+    with monkeypatch.context() as mp:
+        mp.setattr(I, "top_singular_vectors", lambda *a, **kw: pytest.fail("recomputed U₀, V₀"))
+        assert probe(cand, ctx_for(base, cache_dir=cache))["general_subspace_energy"] == first
+    # θ₀ replaced by one with other singular vectors: computed again, one file left (the new one)
+    w2, u2, v2 = spectral_base(40, 32, k, seed=23)
+    old = kept()
+    os.utime(save_tensors(base, {"w": w2, "b": torch.zeros(32)}), ns=(1, 1))
+    P.clear_caches()
+    calls = []
+    monkeypatch.setattr(I, "top_singular_vectors", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    probe(cand, ctx_for(base, cache_dir=cache))
+    assert calls and len(kept()) == 1 and kept() != old
+    # an unreadable file: recomputed (the same value) and rewritten
+    kept()[0].write_bytes(b"not a safetensors file")
+    P.clear_caches()
+    again = probe(cand, ctx_for(base, cache_dir=cache))["general_subspace_energy"]
+    P.clear_caches()
+    assert probe(cand, ctx_for(base))["general_subspace_energy"] == again  # no cache_dir: computed
+    assert "unreadable SVD cache" in caplog.text
+    from safetensors.torch import load_file
+
+    assert set(load_file(str(kept()[0]))) == {"w.U", "w.V"}
+    assert len(list(cache.iterdir())) == 1  # no temporary file left
+
+
 def test_svd_cache_is_reused_and_invalidated_when_the_base_file_changes(tmp_path):
     k = 2
     w1, u1, v1 = spectral_base(16, 12, k, seed=7)

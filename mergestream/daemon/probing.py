@@ -64,7 +64,7 @@ class Prober:
         base = Path(self.cfg.base)
         ctx = ProbeContext(base=base, previous=previous, contributions=contributions,
                            tasks=self.task_specs(candidate_expert), device=self.cfg.device,
-                           tokenizer=base if base.is_dir() else None)
+                           tokenizer=base if base.is_dir() else None, cache_dir=self.cfg.state_dir / "cache" / "probes")
         return run_probes(self.probes(), model_dir, ctx)
 
     def base(self) -> dict[str, float]:

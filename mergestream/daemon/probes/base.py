@@ -98,6 +98,8 @@ class ProbeContext:
         tasks: per-task probes registered by earlier experts (and the candidate's own).
         device: torch device for the probes' math and forward passes (``cpu``, ``cuda``, ``cuda:1``).
         tokenizer: where to load a tokenizer from when the model folder has none.
+        cache_dir: a folder where probes may keep what they derive from θ₀ alone between processes
+            (the daemon: ``state_dir/cache/probes``); None: nothing is kept.
     """
 
     base: Path
@@ -106,6 +108,7 @@ class ProbeContext:
     tasks: list[TaskProbeSpec]
     device: str = "cpu"
     tokenizer: Path | None = None
+    cache_dir: Path | None = None
 
 
 @runtime_checkable
