@@ -317,6 +317,14 @@ def test_svd_vectors_are_kept_in_the_cache_dir_for_the_next_process(tmp_path, mo
 
     assert set(load_file(str(kept()[0]))) == {"w.U", "w.V"}
     assert len(list(cache.iterdir())) == 1  # no temporary file left
+    # a readable file whose vectors do not fit θ₀ (another shape): those are computed again
+    from safetensors.torch import save_file
+
+    save_file({"w.U": torch.zeros(39, k), "w.V": torch.zeros(32, k)}, str(kept()[0]))
+    P.clear_caches()
+    calls.clear()
+    assert probe(cand, ctx_for(base, cache_dir=cache))["general_subspace_energy"] == again and calls
+    assert load_file(str(kept()[0]))["w.U"].shape == (40, k)
 
 
 def test_svd_cache_is_reused_and_invalidated_when_the_base_file_changes(tmp_path):

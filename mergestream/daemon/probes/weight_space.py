@@ -81,17 +81,24 @@ def _svd_file(cache_dir: Path, key: tuple) -> Path:
     return cache_dir / f"{SVD_FILE_PREFIX}k{k}-{mode}-{digest}.safetensors"
 
 
-def _load_svd_file(path: Path, entry: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Fill an empty cache entry from ``path`` (tensors ``<name>.U``, ``<name>.V``); an unreadable
-    file is ignored (the vectors are computed again and the file rewritten)."""
+def _load_svd_file(path: Path, base: Checkpoint, k: int, entry: dict[str, tuple[torch.Tensor, torch.Tensor]]
+                   ) -> None:
+    """Fill an empty cache entry from ``path`` (tensors ``<name>.U`` (m, k′), ``<name>.V`` (n, k′),
+    float32, k′ = min(k, m, n), for θ₀'s 2-D tensors ``<name>``); an unreadable file is ignored and
+    a pair that does not fit θ₀ is skipped (either is computed again and the file rewritten)."""
     try:
         loaded = load_file(str(path))
     except (OSError, SafetensorError, ValueError) as exc:
         log.warning("weight_space: ignoring the unreadable SVD cache %s: %s", path, exc)
         return
     for key, u in loaded.items():
-        if key.endswith(".U") and key[:-2] + ".V" in loaded:
-            entry.setdefault(key[:-2], (u, loaded[key[:-2] + ".V"]))
+        name, v = key[:-2], loaded.get(key[:-2] + ".V")
+        if not key.endswith(".U") or v is None or name not in base:
+            continue
+        shape = base.meta(name).shape
+        kk = min(k, *shape) if len(shape) == 2 else -1
+        if (tuple(u.shape), tuple(v.shape)) == ((shape[0], kk), (shape[-1], kk)) and u.dtype == v.dtype == torch.float32:
+            entry.setdefault(name, (u, v))
 
 
 def _store_svd_file(path: Path, entry: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -106,7 +113,7 @@ def _store_svd_file(path: Path, entry: dict[str, tuple[torch.Tensor, torch.Tenso
         for old in path.parent.glob(path.name.rsplit("-", 1)[0] + "-*.safetensors"):
             if old != path:
                 old.unlink(missing_ok=True)
-    except OSError as exc:
+    except (OSError, SafetensorError) as exc:
         log.warning("weight_space: could not keep the SVD cache in %s: %s", path.parent, exc)
         tmp.unlink(missing_ok=True)
 
@@ -184,7 +191,7 @@ class WeightSpaceProbe:
             bases = _svd_entry(base, self.k, self.svd)
             kept = _svd_file(ctx.cache_dir, key) if ctx.cache_dir is not None else None
             if kept is not None and not bases and kept.exists():
-                _load_svd_file(kept, bases)
+                _load_svd_file(kept, base, self.k, bases)
             known = len(bases)
             sums = drift_sums(base, cand, prev, floats, k=self.k, svd=self.svd, device=dev, bases=bases)
             if kept is not None and len(bases) > known:
