@@ -77,31 +77,21 @@ def large_models(workdir):
 
 
 @pytest.fixture(scope="module")
-def baseline(workdir):
-    """The interpreter/import baseline of a policy's fold: its peak RSS (bytes) on a tiny model of
-    the same layout (three (8, 16) tensors), measured once per (policy, params)."""
-    tiny = (_write_model(workdir / "tiny-base", 0, 3, 8, 16, 10**9),
+def tiny_models(workdir):
+    """θ₀ and an expert of the same layout as :func:`large_models` but three (8, 16) tensors: their
+    fold's peak RSS is the interpreter/import baseline."""
+    return (_write_model(workdir / "tiny-base", 0, 3, 8, 16, 10**9),
             _write_model(workdir / "tiny-expert", 1, 3, 8, 16, 10**9))
-    seen: dict[str, int] = {}
-
-    def measure(policy, params):
-        key = f"{policy}-{json.dumps(params, sort_keys=True)}"
-        if key not in seen:
-            seen[key] = _peak_rss(*tiny, policy, params, workdir / f"tiny-state-{len(seen)}",
-                                  workdir / f"tiny-out-{len(seen)}")
-        return seen[key]
-
-    return measure
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("policy,params", [("task_arithmetic", {"lambda": 0.3}), ("mdm_oc", {"alpha": 0.3})])
-def test_fold_peak_rss_is_a_few_tensors(tmp_path, policy, params, large_models, baseline):
+def test_fold_peak_rss_is_a_few_tensors(tmp_path, policy, params, large_models, tiny_models):
     largest = ROWS * COLS * 4
     base, expert = large_models
     total = sum(f.stat().st_size for f in base.glob("*.safetensors"))
     assert total >= 1024**3 and total >= 20 * largest
-    base_rss = baseline(policy, params)
+    base_rss = _peak_rss(*tiny_models, policy, params, tmp_path / "tiny-state", tmp_path / "tiny-out")
     peak = _peak_rss(base, expert, policy, params, tmp_path / "state", tmp_path / "out")
     mib = 1024**2
     print(f"{policy}: baseline {base_rss / mib:.0f} MiB, peak {peak / mib:.0f} MiB, "

@@ -55,9 +55,9 @@ def _fingerprint(ck: Checkpoint) -> tuple:
     return tuple(parts)
 
 
-def _svd_entry(ck: Checkpoint, k: int, mode: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """The cached U₀, V₀ of θ₀ ``ck`` for ``k`` and ``mode`` (filled by :func:`drift_sums`)."""
-    key = (_fingerprint(ck), k, mode)
+def _svd_entry(key: tuple) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The cached U₀, V₀ for ``key`` = (θ₀'s :func:`_fingerprint`, k, mode), filled by
+    :func:`drift_sums`."""
     with _SVD_LOCK:
         entry = _SVD_CACHE.get(key)
         if entry is None:
@@ -188,7 +188,7 @@ class WeightSpaceProbe:
                 if prev is not None:
                     self._check(prev, m, "previous backbone")
             key = (_fingerprint(base), self.k, self.svd)
-            bases = _svd_entry(base, self.k, self.svd)
+            bases = _svd_entry(key)
             kept = _svd_file(ctx.cache_dir, key) if ctx.cache_dir is not None else None
             if kept is not None and not bases and kept.exists():
                 _load_svd_file(kept, base, self.k, bases)
