@@ -10,7 +10,8 @@ over float32 chunk buffers: about 16 passes, 12 ms of one core per 1M entries of
 the 2 GHz AVX2 EPYC of bench/results/fold_speed_ta_epyc.md, more than the I/O and hashing of the
 same bytes. Here the same float32 operations run in the same order inside one vectorised loop
 (no fused multiply-add: numba does not contract without ``fastmath``), so the results are bit for
-bit those of the torch path (tests compare both on every kind of value): 2.7-3.9 ms per 1M.
+bit those of the torch path (tests compare both on every kind of value): 1.2-1.7 ms per 1M
+(bench/results/fused_kernel.md, the same machine).
 
 bf16 → float32 is exact (the upper half of the float32 pattern); float32 → bf16 rounds to nearest,
 ties to even, as torch does: (u + 0x7FFF + bit 16 of u) >> 16 of the pattern u. NaN patterns
@@ -49,64 +50,104 @@ def _jit(signature: str):
     return wrap
 
 
+_I32 = ir.IntType(32)
+
+
+# The bit manipulations below are LLVM intrinsics in 32-bit arithmetic rather than numba expressions:
+# numba types arithmetic on uint32 values as 64-bit, which halved the loops' vector width and added
+# packing around every step (one core per 1M entries, with a copy of the chunk: a later fold's loop
+# 3.42 ms as numba expressions, 1.71 ms as these; a first fold's 1.69 and 1.18 ms;
+# bench/results/fused_kernel.md). The 32-bit wrap-around differs from 64-bit only where a value is
+# not finite, which stops the fold.
+
 @intrinsic
-def _f32_of(typingctx, x):
-    """The float32 whose bit pattern is the uint32 ``x``."""
+def _widen(typingctx, h):
+    """The float32 of the bf16 pattern ``h`` (uint16): exact, h's bits in the upper half."""
     def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], ir.FloatType())
-    return types.float32(types.uint32), codegen
+        return builder.bitcast(builder.shl(builder.zext(args[0], _I32), _I32(16)), ir.FloatType())
+    return types.float32(types.uint16), codegen
+
+
+def _round_ir(builder, u):
+    """IR of float32 → bf16 rounding to nearest, ties to even, of the pattern ``u`` (i32): (u + 0x7FFF
+    + bit 16 of u) >> 16, the bf16 pattern in the low half."""
+    lsb = builder.and_(builder.lshr(u, _I32(16)), _I32(1))
+    return builder.lshr(builder.add(builder.add(u, _I32(0x7FFF)), lsb), _I32(16))
 
 
 @intrinsic
-def _u32_of(typingctx, x):
-    """The bit pattern of the float32 ``x``."""
+def _bf16_bits(typingctx, x):
+    """The bf16 pattern (uint32, upper half zero) of the float32 ``x`` rounded to nearest, ties to even."""
     def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], ir.IntType(32))
+        return _round_ir(builder, builder.bitcast(args[0], _I32))
     return types.uint32(types.float32), codegen
 
 
-@njit(inline="always")
-def _widen(h):
-    return _f32_of(np.uint32(h) << np.uint32(16))
+@intrinsic
+def _not_finite(typingctx, h):
+    """1 where the bf16 pattern ``h`` (uint16, or the low half of a uint32) is Inf or NaN (its
+    exponent all ones), else 0; uint32."""
+    def codegen(context, builder, sig, args):
+        v = args[0] if args[0].type.width == 32 else builder.zext(args[0], _I32)
+        hit = builder.icmp_unsigned("==", builder.and_(v, _I32(0x7F80)), _I32(0x7F80))
+        return builder.zext(hit, _I32)
+    return types.uint32(h), codegen
 
 
-@njit(inline="always")
-def _round_bf16(u):
-    return (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+@intrinsic
+def _add(typingctx, a, b):
+    """a + b in uint32 (a count of at most a chunk's entries)."""
+    def codegen(context, builder, sig, args):
+        return builder.add(args[0], args[1])
+    return types.uint32(types.uint32, types.uint32), codegen
+
+
+@intrinsic
+def _code(typingctx, pu, w):
+    """A later fold's per-entry code (uint8) from θ_{t−1}'s bf16 pattern ``pu`` (uint16) and the
+    float32 ``w`` = θ_t − d: :data:`TIE` where w rounds to another bf16 than θ_{t−1}, and with it
+    :data:`MISS` where θ_{t−1} is not that one's neighbour toward w either, that is where
+    pu·2¹⁶ − w ∉ [−2¹⁶, 2¹⁶) (:meth:`mergestream.residuals.ResidualWriter.linear_exceptions`)."""
+    def codegen(context, builder, sig, args):
+        p = builder.zext(args[0], _I32)
+        u = builder.bitcast(args[1], _I32)
+        tie = builder.icmp_unsigned("!=", _round_ir(builder, u), p)
+        gap = builder.add(builder.sub(builder.shl(p, _I32(16)), u), _I32(0x10000))
+        miss = builder.and_(tie, builder.icmp_unsigned(">=", gap, _I32(0x20000)))
+        i8 = ir.IntType(8)
+        return builder.or_(builder.zext(tie, i8), builder.shl(builder.zext(miss, i8), i8(1)))
+    return types.uint8(types.uint16, types.float32), codegen
 
 
 @_jit("UniTuple(int64, 2)(uint16[::1], uint16[::1], float32)")
 def _first(e, b, lam):
-    bad = 0
-    bad_e = 0
+    bad = np.uint32(0)
+    bad_e = np.uint32(0)
     for i in range(e.shape[0]):
         eu = e[i]
         bf = _widen(b[i])
-        o = _round_bf16(_u32_of((_widen(eu) - bf) * lam + bf))
-        bad_e += (eu & np.uint16(0x7F80)) == np.uint16(0x7F80)
-        bad += (o & np.uint32(0x7F80)) == np.uint32(0x7F80)
+        o = _bf16_bits((_widen(eu) - bf) * lam + bf)
+        bad_e = _add(bad_e, _not_finite(eu))
+        bad = _add(bad, _not_finite(o))
         e[i] = np.uint16(o)
-    return bad, bad_e
+    return np.int64(bad), np.int64(bad_e)
 
 
 @_jit("UniTuple(int64, 2)(uint16[::1], uint16[::1], uint16[::1], float32, uint8[::1])")
 def _later(e, b, p, lam, codes):
-    bad = 0
-    bad_e = 0
+    bad = np.uint32(0)
+    bad_e = np.uint32(0)
     for i in range(e.shape[0]):
         eu = e[i]
-        pu = np.uint32(p[i])
+        pu = p[i]
         d = (_widen(eu) - _widen(b[i])) * lam
-        o = _round_bf16(_u32_of(d + _widen(pu)))
-        bad_e += (eu & np.uint16(0x7F80)) == np.uint16(0x7F80)
-        bad += (o & np.uint32(0x7F80)) == np.uint32(0x7F80)
-        e[i] = np.uint16(o)
-        w = _u32_of(_widen(o) - d)  # θ_t − d in float32, as subtract_delta computes it
-        tie = _round_bf16(w) != pu
-        # θ_{t−1} is c's neighbour toward w iff pu·2¹⁶ − w ∈ [−2¹⁶, 2¹⁶) (residuals._bf16_misses)
-        miss = ((pu << np.uint32(16)) - w + np.uint32(0x10000)) >= np.uint32(0x20000)
-        codes[i] = np.uint8(tie) | (np.uint8(tie & miss) << np.uint8(1))
-    return bad, bad_e
+        o = _bf16_bits(d + _widen(pu))
+        bad_e = _add(bad_e, _not_finite(eu))
+        bad = _add(bad, _not_finite(o))
+        oh = np.uint16(o)
+        e[i] = oh
+        codes[i] = _code(pu, _widen(oh) - d)  # w = θ_t − d in float32, as subtract_delta computes it
+    return np.int64(bad), np.int64(bad_e)
 
 
 @_jit("int64(uint64[::1], int64[::1])")

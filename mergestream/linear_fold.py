@@ -26,6 +26,8 @@ __all__ = ["fold_linear", "subtract_linear", "compiled_loop_pays", "load_compile
 #: cached kernels costs ~1 s of wall time once per process, the loop saves ~5 (first fold) to ~8
 #: (later fold) ms of CPU per 1M entries against the torch path (2 GHz AVX2 EPYC, two workers), so
 #: the two break even near 2²⁸ entries (512 MiB of bf16; at 1 GiB the loop was 0.9-1.6 s faster).
+#: Measured before the loop went to 32-bit integer steps (bench/results/fused_kernel.md: it now
+#: saves more per entry), so the break-even now lies lower; not re-measured.
 #: A process that has it loaded (a daemon) uses it for every size.
 COMPILED_MIN_ENTRIES = 1 << 28
 
