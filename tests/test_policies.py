@@ -400,6 +400,7 @@ def test_safe_merge_sparse_recovery_equals_the_dense_formulation(with_previous, 
     from mergestream.policies import recovery
 
     monkeypatch.setattr(recovery, "SAMPLE_T_MAX_K", 1000 if transpose == "sampled" else 0)
+    monkeypatch.setattr(recovery, "GATHER_MAX_NNZ", 0)  # these small masks would always gather
     if blocks == "column blocks":  # 4 blocks of 43, 43, 43, 41 columns at K = 14, 2 of 85 at K = 5
         monkeypatch.setattr(recovery, "BLOCK_BYTES", 170 * 14 * 4 // 4 + 1)
     base, tau = _safe_inputs(m=150, n=170, seed=3)
@@ -411,6 +412,29 @@ def test_safe_merge_sparse_recovery_equals_the_dense_formulation(with_previous, 
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-6 * float(tau.abs().max()))
     assert not bool(got[~mask].any())  # D is zero outside M
     assert got_losses == pytest.approx(want_losses, rel=1e-4, abs=1e-9)
+
+
+@pytest.mark.parametrize("with_previous", [False, True])
+def test_safe_merge_recovery_gives_the_same_bits_whichever_way_it_builds_g_transposed(with_previous, monkeypatch):
+    """Gᵀ sampled on Sᵀ's pattern and Gᵀ gathered from G's values are the same products summed in
+    the same order: D and the losses agree bit for bit, on one block and on column blocks, so the
+    choice between them (by K and by the block's kept entries) moves only time."""
+    from mergestream.policies import recovery
+
+    base, tau = _safe_inputs(m=150, n=170, seed=5)
+    mask = magnitude_mask(tau.abs(), 0.2)
+    prev = 0.02 * torch.randn(tau.shape, generator=torch.Generator().manual_seed(8)) if with_previous else None
+    kw = dict(rank=6, steps=12, lambda_old=0.7, lr_scale=0.1, k_new=5, k_old=9, seed=2)
+    results = {}
+    for budget in (1 << 40, 170 * 6 * 4 // 3):  # one block; three column blocks at K = 5 or 14
+        monkeypatch.setattr(recovery, "BLOCK_BYTES", budget)
+        for way, (max_k, max_nnz) in {"sampled": (1000, 0), "gathered": (0, 0), "by size": (1000, 1 << 40)}.items():
+            monkeypatch.setattr(recovery, "SAMPLE_T_MAX_K", max_k)
+            monkeypatch.setattr(recovery, "GATHER_MAX_NNZ", max_nnz)
+            results[budget, way] = masked_recovery(tau.clone(), mask, prev, **kw)
+    for (budget, way), (d, losses) in results.items():
+        ref_d, ref_losses = results[budget, "sampled"]
+        assert torch.equal(d, ref_d) and losses == ref_losses, (budget, way)
 
 
 def test_column_blocks_cover_the_kept_entries_once_and_drop_empty_blocks(monkeypatch):

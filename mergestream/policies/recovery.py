@@ -38,6 +38,13 @@ BLOCK_BYTES = 256 * 1024
 #: values (:class:`KeptPattern`): K = k_new at a first fold (8 by default), k_new + k_old (72) later.
 SAMPLE_T_MAX_K = 24
 
+#: Most kept entries of a block whose Gᵀ is gathered from G's values even when K allows sampling
+#: it: the gather reads G's values in random order, cheap while they stay in cache and not beyond
+#: (K = 8, one thread, 2 GHz AVX2 EPYC: gather against sampling 2.4 / 3.4 ms at 0.84M entries
+#: (2048x4096), 3.2 / 4.6 at 1.13M (2048x5504), 3.5 / 5.2 at 1.26M, 7.3 / 6.9 at 1.68M (4096²),
+#: 41 / 18 at 4.5M (4096x11008)). Both give the same bits, so this only moves time.
+GATHER_MAX_NNZ = 1_500_000
+
 
 def _offsets(index: Tensor, size: int) -> Tensor:
     """CSR row offsets (size + 1,) int64 of a sorted-by-row index vector."""
@@ -54,8 +61,9 @@ class KeptPattern:
     comes either from sampling it directly (``sample_t``) or from gathering S's values into column
     order (``transposed``): the gather costs the same whatever k, the sampling grows with k and is
     cheaper below about 24 columns (G sampled, then Gᵀ sampled or gathered, 1.1M kept entries, single
-    thread: 5.8 against 8.1 ms at k = 8, 10.2 against 10.7 at k = 24, 24.3 against 20.3 at k = 72).
-    All reuse buffers allocated once, so a loop over them allocates nothing of size ρ·m·n per step.
+    thread: 5.8 against 8.1 ms at k = 8, 10.2 against 10.7 at k = 24, 24.3 against 20.3 at k = 72),
+    unless S's values fit in cache, where the gather is cheaper at any k (:data:`GATHER_MAX_NNZ`).
+    Both give the same bits (the same products summed in the same order). All reuse buffers allocated once, so a loop over them allocates nothing of size ρ·m·n per step.
 
     Attributes:
         values: (nnz,) S's values, in row-major order of the kept entries.
@@ -172,21 +180,23 @@ def fit_on_mask(blocks: list[KeptPattern], w: Tensor, p: Tensor, a_t: Tensor, b:
     resid = torch.empty_like(p)
     opt = PlainAdam([a_t, b], lr=lr)
     grad_a_t, grad_b = opt.grads  # rows of Aᵀ for columns in no block keep their zero gradient
-    sample_t = w.shape[1] <= SAMPLE_T_MAX_K
-    # each block's rows of W, Aᵀ and dL/dAᵀ, as views taken once (Adam updates Aᵀ in place)
-    views = [(blk, w[blk.columns], a_t[blk.columns], grad_a_t[blk.columns]) for blk in blocks]
+    narrow = w.shape[1] <= SAMPLE_T_MAX_K
+    # each block's rows of W, Aᵀ and dL/dAᵀ, as views taken once (Adam updates Aᵀ in place), and
+    # whether its Gᵀ is sampled (else gathered from G's values: the same bits)
+    views = [(blk, w[blk.columns], a_t[blk.columns], grad_a_t[blk.columns], narrow and blk.nnz > GATHER_MAX_NNZ)
+             for blk in blocks]
     losses: list[float] = []
     with torch.no_grad():
         for _ in range(steps + 1):
             resid.copy_(p)
-            for blk, w_blk, a_blk, _ in views:  # R = P + C W, (m, K)
+            for blk, w_blk, a_blk, _, _ in views:  # R = P + C W, (m, K)
                 resid.addmm_(blk.sample(b, a_blk.T), w_blk)
             flat_r = resid.view(-1)
             losses.append(float(torch.dot(flat_r, flat_r)))
             if len(losses) > steps:
                 break
             # G = M ⊙ 2 R Wᵀ: dL/dB = G Aᵀ, dL/dAᵀ = Gᵀ B with Gᵀ = Mᵀ ⊙ 2 W Rᵀ
-            for i, (blk, w_blk, a_blk, grad_a_blk) in enumerate(views):
+            for i, (blk, w_blk, a_blk, grad_a_blk, sample_t) in enumerate(views):
                 g = blk.sample(resid, w_blk.T, alpha=2.0)
                 if i == 0:
                     torch.mm(g, a_blk, out=grad_b)
@@ -195,6 +205,5 @@ def fit_on_mask(blocks: list[KeptPattern], w: Tensor, p: Tensor, a_t: Tensor, b:
                 g_t = blk.sample_t(w_blk, resid.T, alpha=2.0) if sample_t else blk.transposed()
                 torch.mm(g_t, b, out=grad_a_blk)
             opt.step()
-        for blk, _, a_blk, _ in views:
-            blk.sample(b, a_blk.T)
+    # the last pass computed R from the final A, B, so every block's values hold M⊙(B A) already
     return losses
