@@ -74,7 +74,7 @@ class TensorFolder:
         if self.lin is not None:
             bf16 = sum(m.numel for m in base_ck.metas() if m.dtype == torch.bfloat16)
             # loaded here, before the workers start, so that they do not queue on the import
-            self.compiled = linear_fold.compiled_loop_pays(bf16, dev) and \
+            self.compiled = linear_fold.compiled_loop_pays(bf16, dev, later=not self.first) and \
                 linear_fold.load_compiled(torch.bfloat16, dev) is not None
         self.tensor_hook = tensor_hook
         self.n_blocks = block_count(base_ck.keys())

@@ -20,23 +20,31 @@ from .errors import NonFiniteError
 from .residuals import ResidualReader, ResidualWriter, math_dtype, recover_previous, task_vector_chunk
 from .stream import scratch
 
-__all__ = ["fold_linear", "subtract_linear", "compiled_loop_pays", "load_compiled", "COMPILED_MIN_ENTRIES"]
+__all__ = ["fold_linear", "subtract_linear", "compiled_loop_pays", "load_compiled", "COMPILED_MIN_ENTRIES",
+           "COMPILED_MIN_ENTRIES_LATER"]
 
 #: bf16 entries of a fold from which loading the compiled loop pays: importing numba and loading the
 #: cached kernels costs ~1 s of wall time once per process, the loop saves ~5 (first fold) to ~8
 #: (later fold) ms of CPU per 1M entries against the torch path (2 GHz AVX2 EPYC, two workers), so
 #: the two break even near 2²⁸ entries (512 MiB of bf16; at 1 GiB the loop was 0.9-1.6 s faster).
-#: Measured before the loop went to 32-bit integer steps (bench/results/fused_kernel.md: it now
-#: saves more per entry), so the break-even now lies lower; not re-measured.
+#: Re-measured after the loop went to 32-bit integer steps (bench/results/fused_kernel.md), on the
+#: 0.5 GB benchmark checkpoint (2²⁸ entries less 2%), five alternating pairs: a first fold 4.13 s
+#: with the loop against 4.03 s on the torch path (still about even), a later fold 4.59 against 4.88.
 #: A process that has it loaded (a daemon) uses it for every size.
 COMPILED_MIN_ENTRIES = 1 << 28
 
+#: The threshold for a later fold (θ_{t−1} ≠ θ₀), whose torch path also computes the tie bits (about
+#: 10 ms of CPU per 1M entries more than the loop): it breaks even near half the first fold's size.
+COMPILED_MIN_ENTRIES_LATER = 1 << 27
 
-def compiled_loop_pays(entries: int, dev: torch.device) -> bool:
+
+def compiled_loop_pays(entries: int, dev: torch.device, later: bool = False) -> bool:
     """Whether a fold of ``entries`` bf16 entries on ``dev`` should use :mod:`mergestream.fused`:
-    on the CPU, when it is loaded already or the fold is at least :data:`COMPILED_MIN_ENTRIES`.
-    Load it (on the calling thread) with :func:`load_compiled` before the workers start."""
-    return dev.type == "cpu" and ("mergestream.fused" in sys.modules or entries >= COMPILED_MIN_ENTRIES)
+    on the CPU, when it is loaded already or the fold is at least :data:`COMPILED_MIN_ENTRIES`
+    (:data:`COMPILED_MIN_ENTRIES_LATER` for a ``later`` fold, θ_{t−1} ≠ θ₀). Load it (on the
+    calling thread) with :func:`load_compiled` before the workers start."""
+    least = COMPILED_MIN_ENTRIES_LATER if later else COMPILED_MIN_ENTRIES
+    return dev.type == "cpu" and ("mergestream.fused" in sys.modules or entries >= least)
 
 
 def fold_linear(name: str, e: torch.Tensor, lam: float, base: Checkpoint, backbone: Checkpoint | None,

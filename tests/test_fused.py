@@ -166,5 +166,29 @@ def test_a_small_fold_does_not_load_numba_and_a_large_one_would(tmp_path):
     assert run.stdout.split() == ["False", "False"]
     cpu = torch.device("cpu")
     assert linear_fold.compiled_loop_pays(linear_fold.COMPILED_MIN_ENTRIES, cpu)
+    assert linear_fold.compiled_loop_pays(linear_fold.COMPILED_MIN_ENTRIES_LATER, cpu, later=True)
+    assert linear_fold.COMPILED_MIN_ENTRIES_LATER < linear_fold.COMPILED_MIN_ENTRIES  # ties cost torch more
     assert not linear_fold.compiled_loop_pays(linear_fold.COMPILED_MIN_ENTRIES, torch.device("cuda"))
     assert linear_fold.compiled_loop_pays(1, cpu)  # this process has it loaded (the tests above)
+
+
+def test_a_later_fold_takes_the_loop_from_its_own_lower_threshold(tmp_path):
+    """The folder asks for the later fold's threshold when θ_{t−1} ≠ θ₀ and the first fold's
+    otherwise: with only the later one reachable, a first fold leaves numba unloaded and the next
+    fold of the same state loads it (a fresh interpreter, as the CLI runs)."""
+    base = random_model(1, torch.bfloat16)
+    bpath = save_tensors(tmp_path / "base.safetensors", base)
+    epath = save_tensors(tmp_path / "e.safetensors", perturb(base, 0.01, 2))
+    e2path = save_tensors(tmp_path / "e2.safetensors", perturb(base, 0.01, 3))
+    s, out1, out2 = (str(tmp_path / n) for n in ("s", "out1", "out2"))
+    code = ("import sys; from mergestream import engine, linear_fold as L; "
+            "L.COMPILED_MIN_ENTRIES = 1 << 60; L.COMPILED_MIN_ENTRIES_LATER = 0; "
+            f"engine.fold({str(bpath)!r}, None, {str(epath)!r}, 'task_arithmetic', {{'lambda': 0.5}}, "
+            f"state_dir={s!r}, out={out1!r}); "
+            "print('mergestream.fused' in sys.modules); "
+            f"engine.fold({str(bpath)!r}, {out1!r}, {str(e2path)!r}, 'task_arithmetic', {{'lambda': 0.5}}, "
+            f"state_dir={s!r}, out={out2!r}); "
+            "print('mergestream.fused' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["False", "True"]
