@@ -42,7 +42,7 @@ SAMPLE_T_MAX_K = 24
 #: it: the gather reads G's values in random order, cheap while they stay in cache and not beyond
 #: (K = 8, one thread, 2 GHz AVX2 EPYC: gather against sampling 2.4 / 3.4 ms at 0.84M entries
 #: (2048x4096), 3.2 / 4.6 at 1.13M (2048x5504), 3.5 / 5.2 at 1.26M, 7.3 / 6.9 at 1.68M (4096²),
-#: 41 / 18 at 4.5M (4096x11008)). Both give the same bits, so this only moves time.
+#: 41 / 18 at 4.5M (4096x11008)). On the CPU both give the same bits, so this only moves time.
 GATHER_MAX_NNZ = 1_500_000
 
 
@@ -63,7 +63,8 @@ class KeptPattern:
     cheaper below about 24 columns (G sampled, then Gᵀ sampled or gathered, 1.1M kept entries, single
     thread: 5.8 against 8.1 ms at k = 8, 10.2 against 10.7 at k = 24, 24.3 against 20.3 at k = 72),
     unless S's values fit in cache, where the gather is cheaper at any k (:data:`GATHER_MAX_NNZ`).
-    Both give the same bits (the same products summed in the same order). All reuse buffers allocated once, so a loop over them allocates nothing of size ρ·m·n per step.
+    On the CPU both give the same bits (the same products summed in the same order). All reuse
+    buffers allocated once, so a loop over them allocates nothing of size ρ·m·n per step.
 
     Attributes:
         values: (nnz,) S's values, in row-major order of the kept entries.
