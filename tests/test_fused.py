@@ -150,20 +150,31 @@ def test_fused_fold_refuses_non_finite_like_the_torch_path(tmp_path, monkeypatch
     assert not (tmp_path / "out").exists()
 
 
+def _fresh_process_folds(tmp_path: Path, count: int, after_each: str, setup: str = "") -> list[str]:
+    """Task Arithmetic folds of ``count`` experts (tiny bf16 models) in one state, in a fresh
+    interpreter as the CLI runs them: ``setup`` runs first (``linear_fold`` is ``L``), the
+    statement ``after_each`` after every fold; returns what they printed, split on whitespace."""
+    base = random_model(1, torch.bfloat16)
+    bpath = save_tensors(tmp_path / "base.safetensors", base)
+    code = f"import sys; from mergestream import engine, linear_fold as L; {setup or 'pass'}; "
+    prev = None
+    for i in range(count):
+        epath = save_tensors(tmp_path / f"e{i}.safetensors", perturb(base, 0.01, 2 + i))
+        out = str(tmp_path / f"out{i}")
+        code += (f"engine.fold({str(bpath)!r}, {prev!r}, {str(epath)!r}, 'task_arithmetic', {{'lambda': 0.5}}, "
+                 f"state_dir={str(tmp_path / 's')!r}, out={out!r}); {after_each}; ")
+        prev = out
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    return run.stdout.split()
+
+
 def test_a_small_fold_does_not_load_numba_and_a_large_one_would(tmp_path):
     """Loading numba costs about a second once per process: a fold below
     linear_fold.COMPILED_MIN_ENTRIES bf16 entries stays on the torch path and never imports it (a
     fresh interpreter, as the CLI runs); from the threshold on, or once loaded, the loop is used."""
-    base = random_model(1, torch.bfloat16)
-    bpath = save_tensors(tmp_path / "base.safetensors", base)
-    epath = save_tensors(tmp_path / "e.safetensors", perturb(base, 0.01, 2))
-    code = ("import sys; from mergestream import engine; "
-            f"engine.fold({str(bpath)!r}, None, {str(epath)!r}, 'task_arithmetic', {{'lambda': 0.5}}, "
-            f"state_dir={str(tmp_path / 's')!r}, out={str(tmp_path / 'out')!r}); "
-            "print('numba' in sys.modules, 'mergestream.fused' in sys.modules)")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr
-    assert run.stdout.split() == ["False", "False"]
+    folds = _fresh_process_folds(tmp_path, 1, "print('numba' in sys.modules, 'mergestream.fused' in sys.modules)")
+    assert folds == ["False", "False"]
     cpu = torch.device("cpu")
     assert linear_fold.compiled_loop_pays(linear_fold.COMPILED_MIN_ENTRIES, cpu)
     assert linear_fold.compiled_loop_pays(linear_fold.COMPILED_MIN_ENTRIES_LATER, cpu, later=True)
@@ -176,19 +187,6 @@ def test_a_later_fold_takes_the_loop_from_its_own_lower_threshold(tmp_path):
     """The folder asks for the later fold's threshold when θ_{t−1} ≠ θ₀ and the first fold's
     otherwise: with only the later one reachable, a first fold leaves numba unloaded and the next
     fold of the same state loads it (a fresh interpreter, as the CLI runs)."""
-    base = random_model(1, torch.bfloat16)
-    bpath = save_tensors(tmp_path / "base.safetensors", base)
-    epath = save_tensors(tmp_path / "e.safetensors", perturb(base, 0.01, 2))
-    e2path = save_tensors(tmp_path / "e2.safetensors", perturb(base, 0.01, 3))
-    s, out1, out2 = (str(tmp_path / n) for n in ("s", "out1", "out2"))
-    code = ("import sys; from mergestream import engine, linear_fold as L; "
-            "L.COMPILED_MIN_ENTRIES = 1 << 60; L.COMPILED_MIN_ENTRIES_LATER = 0; "
-            f"engine.fold({str(bpath)!r}, None, {str(epath)!r}, 'task_arithmetic', {{'lambda': 0.5}}, "
-            f"state_dir={s!r}, out={out1!r}); "
-            "print('mergestream.fused' in sys.modules); "
-            f"engine.fold({str(bpath)!r}, {out1!r}, {str(e2path)!r}, 'task_arithmetic', {{'lambda': 0.5}}, "
-            f"state_dir={s!r}, out={out2!r}); "
-            "print('mergestream.fused' in sys.modules)")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr
-    assert run.stdout.split() == ["False", "True"]
+    folds = _fresh_process_folds(tmp_path, 2, "print('mergestream.fused' in sys.modules)",
+                                 setup="L.COMPILED_MIN_ENTRIES = 1 << 60; L.COMPILED_MIN_ENTRIES_LATER = 0")
+    assert folds == ["False", "True"]
