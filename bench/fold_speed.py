@@ -36,7 +36,7 @@ file pages in RSS, while mergestream reads with ``pread`` and does not.
 mergestream's output and state are fsynced; mergekit does not fsync. Compare mergestream with the
 "fsync" floor and mergekit with the "no fsync" floor.
 
-SAFE-Merge runs 50 Adam steps per 2-D tensor by default. When its time on a smaller size,
+SAFE-Merge runs 25 Adam steps per 2-D tensor by default. When its time on a smaller size,
 scaled by model bytes, predicts more than ``--safe-budget`` seconds on a larger size, the larger
 size runs with proportionally fewer steps and the ``params`` column says so.
 

@@ -95,7 +95,7 @@ from mergestream.ri import RIParams, adapt_expert, load_feature_model  # noqa: E
 
 #: LiNeS for the 6-block MiniLM: shallowest blocks at half the update, the deepest at all of it
 LINES = {"lines_alpha": 0.5, "lines_beta": 0.5, "lines_layers": 6}
-#: SAFE-Merge's row (METHODS.md defaults; its Adam steps: the policy's default, 50)
+#: SAFE-Merge's row (METHODS.md defaults; its Adam steps: the policy's default, 25)
 SAFE_DEFAULTS: dict[str, Any] = {"rho": 0.1, "lambda": 0.3}
 #: (policy, variant label, params): METHODS.md defaults.
 POLICIES: list[tuple[str, str, dict[str, Any]]] = [
