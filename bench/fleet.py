@@ -34,8 +34,8 @@ from mergestream.agent.slots import Device
 from mergestream.daemon.store import Store
 from mergestream.feed.build import build_feed
 from mergestream.feed.keys import generate
-from mergestream.patch_build import build_patch
 from mergestream.patches import weights_sha256
+from mergestream.patches.build import build_patch
 
 
 def make_versions(root: Path, versions: int, density: float, hidden: int) -> Store:

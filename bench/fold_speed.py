@@ -953,9 +953,11 @@ def mergestream_source(args: argparse.Namespace) -> tuple[dict[str, str] | None,
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(dest / "mergestream")], check=True)
     # and the compiled loop's machine code (numba's cache beside it), as the first fold after an
     # install leaves it: otherwise the first timed child compiles it (seconds)
-    if (dest / "mergestream" / "fused.py").exists():
-        subprocess.run([sys.executable, "-c", "import mergestream.fused"], check=True,
-                       env=dict(os.environ, PYTHONPATH=str(dest)))
+    for module in ("engine.fused", "fused"):  # the layout since the root packages, and before
+        if (dest / "mergestream" / f"{module.replace('.', '/')}.py").exists():
+            subprocess.run([sys.executable, "-c", f"import mergestream.{module}"], check=True,
+                           env=dict(os.environ, PYTHONPATH=str(dest)))
+            break
     info.update(source=f"git snapshot {sha}", rev=args.rev, commit=sha, path=str(dest))
     return dict(os.environ, PYTHONPATH=str(dest)), info
 

@@ -1,4 +1,4 @@
-"""The compiled loop of a bf16 linear fold (mergestream.fused): milliseconds of one core per 1M
+"""The compiled loop of a bf16 linear fold (mergestream.engine.fused): milliseconds of one core per 1M
 entries, first fold and later fold (θ_t and the per-entry tie/miss codes of format 3), and the torch
 path's θ_t alone (``_fold_chunk_torch`` without the tie bits, for scale).
 
@@ -33,7 +33,7 @@ def worker(reps: int) -> dict[str, list[float]]:
     import numpy as np
     import torch
 
-    from mergestream import linear_fold, residuals
+    from mergestream.engine import linear_fold, residuals
 
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)

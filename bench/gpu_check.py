@@ -29,9 +29,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from mergestream import engine  # noqa: E402
-from mergestream.checkpoints import open_checkpoint  # noqa: E402
-from mergestream.writers import ModelWriter  # noqa: E402
-from mergestream.checkpoints import TensorMeta  # noqa: E402
+from mergestream.io.checkpoints import (
+    TensorMeta,  # noqa: E402
+    open_checkpoint,  # noqa: E402
+)
+from mergestream.io.writers import ModelWriter  # noqa: E402
 
 POLICIES = {
     "task_arithmetic": {"lambda": 1.0},

@@ -2,7 +2,7 @@
 
 Real all-MiniLM-L6-v2 experts (fp32, built and cached by :mod:`mergestream.experts`) are folded in
 order with each policy; after every fold after the first, the patch from the previous version is
-built in each format (:func:`mergestream.patch_build.build_patch`) and applied back
+built in each format (:func:`mergestream.patches.build.build_patch`) and applied back
 (:func:`mergestream.patches.apply_patch`) to check it rebuilds the version byte for byte. Each
 row reports the mean patch bytes / model bytes over the folds. This is the quality benchmark's
 patch/model column (bench/quality.py measures format 1 only) for all three encodings, on a
@@ -31,8 +31,8 @@ sys.path.insert(0, str(REPO))
 
 from mergestream import engine  # noqa: E402
 from mergestream import experts as X  # noqa: E402
-from mergestream.patch_build import build_patch  # noqa: E402
 from mergestream.patches import apply_patch, weights_sha256  # noqa: E402
+from mergestream.patches.build import build_patch  # noqa: E402
 
 #: (label, policy, params): the quality benchmark's defaults
 POLICIES: list[tuple[str, str, dict[str, Any]]] = [

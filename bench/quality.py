@@ -34,7 +34,7 @@ Protocol knobs (each recorded in quality.json under "protocol"; quality.md state
   --cmaes             also run mdm_oc with CMA-ES coefficients on the daemon's objective
                       (mergestream.daemon.objective.ProbeObjective, policy.objective defaults:
                       task_weight × mean validation accuracy + general_weight × STS-B *dev* Spearman)
-  --adamerging        also run mdm_oc with AdaMerging per-layer coefficients (mergestream.coefficients:
+  --adamerging        also run mdm_oc with AdaMerging per-layer coefficients (mergestream.engine.coefficients:
                       the seen tasks' heads' entropy on the unlabeled inputs RI uses, --ada-examples)
   --lpft rule         LP-FT for a task when its fine-tuned expert (random head) is not better than a
                       linear probe on frozen θ₀, both on the validation rows (`tasks`: the old name list)
@@ -70,8 +70,8 @@ from quality_setup import (  # noqa: E402
     carved_folder,
     check_resumed_experts,
     curve_steps,
-    expert_hash,
     default_out,
+    expert_hash,
     load_config,
     load_resume,
     merge_overrides,
@@ -85,12 +85,12 @@ from quality_setup import (  # noqa: E402
 
 from mergestream import experts as X  # noqa: E402
 from mergestream import text as T  # noqa: E402
-from mergestream.coefficients import EntropyObjective  # noqa: E402
 from mergestream.config import ObjectiveConfig  # noqa: E402
 from mergestream.daemon.objective import ProbeObjective  # noqa: E402
 from mergestream.daemon.probes import SentenceSimilarityProbe, TaskProbeSpec  # noqa: E402
 from mergestream.engine import fold, unmerge  # noqa: E402
-from mergestream.patch_build import build_patch  # noqa: E402
+from mergestream.engine.coefficients import EntropyObjective  # noqa: E402
+from mergestream.patches.build import build_patch  # noqa: E402
 from mergestream.ri import RIParams, adapt_expert, load_feature_model  # noqa: E402
 
 #: LiNeS for the 6-block MiniLM: shallowest blocks at half the update, the deepest at all of it
@@ -304,7 +304,7 @@ def make_objective(experts: dict[str, Path], val_rows: dict[str, list], sts_dev:
 
 
 def make_entropy_objective(heads: dict[str, tuple[torch.Tensor, torch.Tensor]], aux: list, n: int) -> EntropyObjective:
-    """The adamerging objective (:class:`mergestream.coefficients.EntropyObjective`): the heads' mean
+    """The adamerging objective (:class:`mergestream.engine.coefficients.EntropyObjective`): the heads' mean
     prediction entropy on a seeded subsample of ``n`` of the unlabeled inputs ``aux`` (RI's)."""
     base = X.base_model_path()
     fm = load_feature_model(None, tokenizer=base, max_length=64)

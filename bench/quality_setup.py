@@ -19,8 +19,8 @@ from typing import Any
 import yaml
 
 from mergestream import experts as X
-from mergestream.checkpoints import open_checkpoint
 from mergestream.errors import MergestreamError
+from mergestream.io.checkpoints import open_checkpoint
 from mergestream.policies import make_policy
 
 #: where the checked-in results live; written only when ``--out`` names it
@@ -274,7 +274,7 @@ def load_resume(out: Path, args: Any, defaults: dict[str, Any] | None = None) ->
 
 def check_resumed_experts(prev: dict[str, Any] | None, hashes: dict[str, str]) -> None:
     """A resumed run must fold the very experts of its earlier pieces: their content hashes (the
-    weights hash of :meth:`mergestream.checkpoints.Checkpoint.sha256`) must equal the recorded ones.
+    weights hash of :meth:`mergestream.io.checkpoints.Checkpoint.sha256`) must equal the recorded ones.
     A run that recorded none (older pieces) is not checked.
 
     Raises:

@@ -96,7 +96,7 @@ def _executor(kind: str, address: str | None):
     """The engine's executor for ``--executor`` / ``--ray-address`` (None: local threads)."""
     if address and kind != "ray":
         raise MergestreamError("--ray-address needs --executor ray")
-    from .executors import make_executor
+    from .engine.executors import make_executor
 
     return make_executor(kind, address)
 
@@ -119,7 +119,7 @@ def cli(verbose: int) -> None:
 @click.option("--out", required=True, type=click.Path(), help="output model folder (must not exist)")
 @click.option("--id", "expert_id", help="expert id (default: the expert's file or folder name)")
 @click.option("--objective", help="package.module:function, for mdm_oc with --set coefficients=cmaes "
-              "(black-box: alphas, weights -> loss) or =adamerging (differentiable: see mergestream.coefficients)")
+              "(black-box: alphas, weights -> loss) or =adamerging (differentiable: see mergestream.engine.coefficients)")
 @click.option("--json", "as_json", is_flag=True, help="print the fold report as JSON")
 @_engine_options
 @_fail_cleanly
@@ -146,8 +146,8 @@ def _params_from_state(state_dir: str, policy: str, given: dict[str, Any]) -> di
     taken is said on stderr. A first fold, or a state of another policy (refused by the fold), gets
     ``given`` unchanged.
     """
+    from .io.state import StateDir
     from .policies import parameter_names
-    from .state import StateDir
 
     if not (Path(state_dir) / "manifest.json").exists():
         return given
@@ -270,7 +270,7 @@ def _operator(config_path: str, verb: str, arg: str | None) -> None:
 @_fail_cleanly
 def init_cmd(folder, base, policy) -> None:
     """Write a commented starter FOLDER/config.yaml (inbox FOLDER/inbox, state FOLDER/state)."""
-    from .checkpoints import open_checkpoint
+    from .io.checkpoints import open_checkpoint
     from .starter import write_starter
 
     with open_checkpoint(base) as ck:  # a base that is not a model is refused now, not at the first fold
@@ -423,7 +423,7 @@ def patch_cmd(from_version, to_version, config_path, out, patch_format, zstd_lev
     """Build a patch from published version A to version B (any two kept versions)."""
     from .config import load_config
     from .daemon.store import Store
-    from .patch_build import build_patch
+    from .patches.build import build_patch
 
     cfg = load_config(config_path)
     fmt = int(patch_format) if patch_format else cfg.patch_format
@@ -447,7 +447,7 @@ def patch_cmd(from_version, to_version, config_path, out, patch_format, zstd_lev
 
 
 def _register_patch_commands() -> None:
-    from .cli_patch import apply_patch_cmd, make_patch_cmd
+    from .patches.cli import apply_patch_cmd, make_patch_cmd
 
     cli.add_command(apply_patch_cmd)
     cli.add_command(make_patch_cmd)

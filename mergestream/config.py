@@ -75,7 +75,7 @@ class ObjectiveConfig(_Section):
     """The data-probe objective of CMA-ES coefficients (``mdm_oc`` with ``coefficients: cmaes``):
     maximise task_weight × mean task accuracy + general_weight × the sentence_similarity probe.
     ``coefficients: adamerging`` instead minimises the task heads' prediction entropy on the first
-    ``adamerging_examples`` inputs of ``ri.data`` (:mod:`mergestream.coefficients`)."""
+    ``adamerging_examples`` inputs of ``ri.data`` (:mod:`mergestream.engine.coefficients`)."""
 
     task_weight: float = Field(1.0, ge=0)
     general_weight: float = Field(1.0, ge=0)

@@ -61,7 +61,7 @@ import numpy as np
 import torch
 
 from . import text
-from .st import copy_aux_files
+from .io.st import copy_aux_files
 
 #: Bump when the training or saving code changes in a way that changes the experts.
 CODE_VERSION = "1"

@@ -41,8 +41,8 @@ import torch
 import torch.nn.functional as F
 
 from .errors import MergestreamError, ProbeError
+from .io.st import copy_aux_files
 from .plugins import resolve_callable
-from .st import copy_aux_files
 from .text import POOLINGS, encode, load_model, load_tokenizer, pool
 
 log = logging.getLogger(__name__)
@@ -523,7 +523,7 @@ def adapt_expert(expert: str | os.PathLike, base: str | os.PathLike, out: str | 
         RIError: see :func:`resolve_interference`, plus a module whose parameters cannot be matched
             to the checkpoint's tensor names.
     """
-    from .checkpoints import open_checkpoint
+    from .io.checkpoints import open_checkpoint
 
     expert, base, out = Path(expert), Path(base), Path(out)
     if params.steps == 0 or params.alpha == 0 or not other_heads:  # see resolve_interference

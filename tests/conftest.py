@@ -79,7 +79,7 @@ def run_cli(*args: str, check: bool = True, **kw) -> subprocess.CompletedProcess
 
 
 def load_dir(path: Path) -> dict[str, torch.Tensor]:
-    from mergestream.checkpoints import read_state_dict
+    from mergestream.io.checkpoints import read_state_dict
 
     return read_state_dict(path)
 

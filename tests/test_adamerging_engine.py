@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from mergestream import engine
-from mergestream.checkpoints import read_state_dict
-from mergestream.coefficients import CoefficientError, EntropyObjective
+from mergestream.engine.coefficients import CoefficientError, EntropyObjective
 from mergestream.errors import PolicyError
+from mergestream.io.checkpoints import read_state_dict
+from mergestream.io.state import StateDir
 from mergestream.policies.adamerging import layer_groups
 from mergestream.ri import load_feature_model
-from mergestream.state import StateDir
 from mergestream.text import load_head
 
 from .test_daemon_datadriven import experts, fold_doc, run_service, statuses  # noqa: F401 - fixture

@@ -94,12 +94,12 @@ def test_the_cycle_finder_finds_a_deferred_cycle():
     assert _cycle({"a": {"b"}, "b": set()}) is None
 
 
-LOWER = ["mergestream.engine", "mergestream.folding", "mergestream.unmerge", "mergestream.passes",
-         "mergestream.policies", "mergestream.checkpoints", "mergestream.expert_readers", "mergestream.ri",
-         "mergestream.experts", "mergestream.text", "mergestream.st", "mergestream.stream", "mergestream.writers",
-         "mergestream.residuals", "mergestream.patches", "mergestream.patch_build", "mergestream.inspection",
-         "mergestream.state", "mergestream.config", "mergestream.fold_tensor", "mergestream.executors",
-         "mergestream.executors.recording"]
+LOWER = ["mergestream.engine", "mergestream.engine.folding", "mergestream.engine.unmerge", "mergestream.engine.passes",
+         "mergestream.policies", "mergestream.io.checkpoints", "mergestream.io.expert_readers", "mergestream.ri",
+         "mergestream.experts", "mergestream.text", "mergestream.io.st", "mergestream.engine.stream", "mergestream.io.writers",
+         "mergestream.engine.residuals", "mergestream.patches", "mergestream.patches.build", "mergestream.engine.inspection",
+         "mergestream.io.state", "mergestream.config", "mergestream.engine.fold_tensor", "mergestream.engine.executors",
+         "mergestream.engine.executors.recording"]
 
 
 @pytest.mark.parametrize("module", [m for m in LOWER if m in MODULES])
@@ -135,8 +135,8 @@ def test_only_the_ray_executor_imports_ray():
                 [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
             if any(m == "ray" or m.startswith("ray.") for m in mods):
                 importers.add(name)
-    assert importers == {"mergestream.executors.ray_cluster"}
-    code = ("import sys\nimport mergestream.engine, mergestream.cli, mergestream.daemon.service, mergestream.executors\n"
+    assert importers == {"mergestream.engine.executors.ray_cluster"}
+    code = ("import sys\nimport mergestream.engine, mergestream.cli, mergestream.daemon.service, mergestream.engine.executors\n"
             "assert 'ray' not in sys.modules\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 

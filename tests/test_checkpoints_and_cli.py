@@ -12,8 +12,8 @@ import torch
 from safetensors import safe_open
 
 from mergestream import engine
-from mergestream.checkpoints import TensorMeta, open_checkpoint, read_state_dict
-from mergestream.writers import ModelWriter, staged_output
+from mergestream.io.checkpoints import TensorMeta, open_checkpoint, read_state_dict
+from mergestream.io.writers import ModelWriter, staged_output
 
 from .conftest import check_merge_output, make_hf_expert, perturb, random_model, run_cli, save_tensors
 
@@ -266,7 +266,7 @@ def test_a_one_shot_verb_ends_without_the_teardown_and_loses_nothing(tmp_path, c
 
 
 def test_expert_id_defaults():
-    from mergestream.checkpoints import default_expert_id
+    from mergestream.io.checkpoints import default_expert_id
 
     assert default_expert_id("/x/e2.safetensors") == "e2"
     assert default_expert_id("/x/my-expert/") == "my-expert"

@@ -152,7 +152,7 @@ def test_three_experts_arrive_and_each_is_folded_once(daemon, tmp_path):
     # θ₀'s singular vectors of the weight-space probe are kept for the next start
     assert len(list((tmp_path / "state" / "cache" / "probes").glob("weight_space-svd-*.safetensors"))) == 1
     # the published backbone equals the offline task-arithmetic sum of the three experts
-    from mergestream.checkpoints import read_state_dict
+    from mergestream.io.checkpoints import read_state_dict
 
     got = read_state_dict(tmp_path / "state" / "current" / "model")
     for k, v in base.items():
@@ -237,8 +237,8 @@ def test_kill_9_mid_fold_then_restart_folds_once(tmp_path):
     time.sleep(0.8)
     d.proc.send_signal(signal.SIGKILL)
     d.proc.wait()
-    from mergestream.checkpoints import read_state_dict
     from mergestream.daemon.store import Store
+    from mergestream.io.checkpoints import read_state_dict
 
     assert Store(tmp_path / "state").current() == 1
     assert read_state_dict(tmp_path / "state" / "current" / "model")  # a complete earlier version
@@ -249,7 +249,7 @@ def test_kill_9_mid_fold_then_restart_folds_once(tmp_path):
     assert [h["expert_id"] for h in hist] == ["first", "second"]
     assert not any(staging.iterdir())
     # a patch between two kept versions in format 2 + zstd rebuilds the later one
-    from mergestream import st
+    from mergestream.io import st
     from mergestream.patches import weights_sha256
 
     versions = tmp_path / "state" / "versions"

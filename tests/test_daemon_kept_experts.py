@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from mergestream import engine
-from mergestream.checkpoints import read_state_dict
 from mergestream.daemon.sources import ExpertReady
 from mergestream.daemon.store import KeptExperts
-from mergestream.state import StateDir
+from mergestream.io.checkpoints import read_state_dict
+from mergestream.io.state import StateDir
 
 from .conftest import perturb, random_model, run_cli, save_tensors
 from .test_operator import _config, _ok, _service, _status

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from mergestream import engine
-from mergestream.checkpoints import read_state_dict
 from mergestream.errors import PolicyError
+from mergestream.io.checkpoints import read_state_dict
 from mergestream.policies import TensorContext, make_policy
 from mergestream.policies.dop import (
     DopParams,

@@ -15,8 +15,8 @@ import torch
 ray = pytest.importorskip("ray")
 
 from mergestream import engine  # noqa: E402
-from mergestream.executors import make_executor  # noqa: E402
-from mergestream.state import StateDir  # noqa: E402
+from mergestream.engine.executors import make_executor  # noqa: E402
+from mergestream.io.state import StateDir  # noqa: E402
 
 from .conftest import perturb, random_model, save_tensors  # noqa: E402
 from .test_unmerge_policies import IDS, POLICIES  # noqa: E402
@@ -185,7 +185,7 @@ def test_cli_fold_with_the_ray_executor(cluster, models, tmp_path):
 def test_daemon_folds_on_the_cluster_its_config_names(cluster, tmp_path):
     """``executor: {kind: ray, address}``: a real daemon subprocess joins the test's cluster and
     publishes the same weights as a local fold of the same experts."""
-    from mergestream.checkpoints import read_state_dict
+    from mergestream.io.checkpoints import read_state_dict
 
     from .test_daemon import Daemon, scaled_expert, tiny_base
 

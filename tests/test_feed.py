@@ -19,8 +19,8 @@ from mergestream.daemon.store import Store
 from mergestream.feed.build import FeedBuildError, build_feed
 from mergestream.feed.keys import FeedKeyError, generate, rotate_key, signer
 from mergestream.feed.layout import custom_of, parse_duration
-from mergestream.patch_build import build_patch
 from mergestream.patches import weights_sha256
+from mergestream.patches.build import build_patch
 
 from .conftest import random_model, run_cli, save_tensors
 

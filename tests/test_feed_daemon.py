@@ -224,7 +224,7 @@ def test_feed_config_is_checked(tmp_path):
 
 
 def test_make_patch_format_option(tmp_path):
-    from mergestream.cli_patch import patch_cli
+    from mergestream.patches.cli import patch_cli
 
     store = make_store(tmp_path / "state", versions=2)
     a, b = store.path(1) / "model", store.path(2) / "model"

@@ -12,19 +12,14 @@ import torch
 from safetensors.torch import load_file
 
 from mergestream import engine
-from mergestream.checkpoints import (
-    LEGACY_SUFFIXES,
-    default_expert_id,
-    open_checkpoint,
-    read_state_dict,
-)
 from mergestream.errors import (
     ExtraKeyError,
     MissingKeyError,
     UnsupportedCheckpointError,
 )
-from mergestream.expert_readers import content_sha256
-from mergestream.input_formats import RECOMPUTED_BUFFERS, recomputed_buffer
+from mergestream.io.checkpoints import LEGACY_SUFFIXES, default_expert_id, open_checkpoint, read_state_dict
+from mergestream.io.expert_readers import content_sha256
+from mergestream.io.input_formats import RECOMPUTED_BUFFERS, recomputed_buffer
 
 from .conftest import perturb, random_model, run_cli, save_tensors
 

@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import save_file
 
 from mergestream import engine
-from mergestream.checkpoints import open_checkpoint
 from mergestream.errors import QuantizedCheckpointError, UnsupportedCheckpointError
+from mergestream.io.checkpoints import open_checkpoint
 
 from .conftest import perturb, random_model, run_cli, save_tensors
 

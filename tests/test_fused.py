@@ -1,4 +1,4 @@
-"""The compiled loop of a bf16 linear fold (mergestream.fused) computes the very bits of the torch
+"""The compiled loop of a bf16 linear fold (mergestream.engine.fused) computes the very bits of the torch
 path: θ_t, the tie bits and the misses of format 3, and the same refusals of non-finite input."""
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from mergestream import engine, fused, linear_fold, residuals, stream
-from mergestream.checkpoints import read_state_dict
+from mergestream import engine
+from mergestream.engine import fused, linear_fold, residuals, stream
 from mergestream.errors import NonFiniteError
-from mergestream.state import StateDir
+from mergestream.io.checkpoints import read_state_dict
+from mergestream.io.state import StateDir
 
 from .conftest import perturb, random_model, save_tensors
 
@@ -156,7 +157,7 @@ def _fresh_process_folds(tmp_path: Path, count: int, after_each: str, setup: str
     statement ``after_each`` after every fold; returns what they printed, split on whitespace."""
     base = random_model(1, torch.bfloat16)
     bpath = save_tensors(tmp_path / "base.safetensors", base)
-    code = f"import sys; from mergestream import engine, linear_fold as L; {setup or 'pass'}; "
+    code = f"import sys; from mergestream import engine; from mergestream.engine import linear_fold as L; {setup or 'pass'}; "
     prev = None
     for i in range(count):
         epath = save_tensors(tmp_path / f"e{i}.safetensors", perturb(base, 0.01, 2 + i))
@@ -173,7 +174,7 @@ def test_a_small_fold_does_not_load_numba_and_a_large_one_would(tmp_path):
     """Loading numba costs about a second once per process: a fold below
     linear_fold.COMPILED_MIN_ENTRIES bf16 entries stays on the torch path and never imports it (a
     fresh interpreter, as the CLI runs); from the threshold on, or once loaded, the loop is used."""
-    folds = _fresh_process_folds(tmp_path, 1, "print('numba' in sys.modules, 'mergestream.fused' in sys.modules)")
+    folds = _fresh_process_folds(tmp_path, 1, "print('numba' in sys.modules, 'mergestream.engine.fused' in sys.modules)")
     assert folds == ["False", "False"]
     cpu = torch.device("cpu")
     assert linear_fold.compiled_loop_pays(linear_fold.COMPILED_MIN_ENTRIES, cpu)
@@ -187,6 +188,6 @@ def test_a_later_fold_takes_the_loop_from_its_own_lower_threshold(tmp_path):
     """The folder asks for the later fold's threshold when θ_{t−1} ≠ θ₀ and the first fold's
     otherwise: with only the later one reachable, a first fold leaves numba unloaded and the next
     fold of the same state loads it (a fresh interpreter, as the CLI runs)."""
-    folds = _fresh_process_folds(tmp_path, 2, "print('mergestream.fused' in sys.modules)",
+    folds = _fresh_process_folds(tmp_path, 2, "print('mergestream.engine.fused' in sys.modules)",
                                  setup="L.COMPILED_MIN_ENTRIES = 1 << 60; L.COMPILED_MIN_ENTRIES_LATER = 0")
     assert folds == ["False", "True"]

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from mergestream import engine
-from mergestream.checkpoints import read_state_dict
 from mergestream.config import PolicyConfig
 from mergestream.errors import PolicyError, StateError
+from mergestream.io.checkpoints import read_state_dict
 from mergestream.policies import TensorContext, make_policy
 from mergestream.policies.iso_c import isotropic
 from mergestream.starter import write_starter

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from mergestream import engine
-from mergestream.checkpoints import read_state_dict
 from mergestream.errors import PolicyError
+from mergestream.io.checkpoints import read_state_dict
 from mergestream.policies import make_policy
 from mergestream.policies.lines import Lines, LinesParams, block_count, layer_index, lines_scale
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from mergestream import engine
-from mergestream.checkpoints import read_state_dict
 from mergestream.errors import UnsupportedCheckpointError
+from mergestream.io.checkpoints import read_state_dict
 
 from .conftest import check_merge_output, run_cli
 

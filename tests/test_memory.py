@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from mergestream.checkpoints import TensorMeta
-from mergestream.writers import ModelWriter
+from mergestream.io.checkpoints import TensorMeta
+from mergestream.io.writers import ModelWriter
 
 ROWS, COLS = 2048, 4096  # 32 MiB per float32 tensor
 N_TENSORS = 36  # 1.13 GiB per checkpoint, 36x the largest tensor
@@ -106,7 +106,7 @@ LEGACY_ROWS = 1024  # 16 MiB per float32 tensor: 36 of them are 576 MiB
 def _as_legacy(folder, path, container):
     """The same weights as a ``torch.save`` pickle: a flat state dict or a Lightning-style container
     (``state_dict`` with every name under ``model.``)."""
-    from mergestream.checkpoints import read_state_dict
+    from mergestream.io.checkpoints import read_state_dict
 
     sd = read_state_dict(folder)
     torch.save(sd if container == "flat" else {"epoch": 1, "state_dict": {f"model.{k}": v for k, v in sd.items()}},

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from mergestream.checkpoints import read_state_dict
 from mergestream.config import Config, ConfigError, load_config
 from mergestream.daemon.service import Service
 from mergestream.daemon.sources import ExpertReady
-from mergestream.state import StateDir
+from mergestream.io.checkpoints import read_state_dict
+from mergestream.io.state import StateDir
 
 from .conftest import perturb, random_model, run_cli, save_tensors
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from mergestream import engine
-from mergestream.patch_build import build_patch
+from mergestream.io.st import aux_files
 from mergestream.patches import apply_patch
-from mergestream.st import aux_files
+from mergestream.patches.build import build_patch
 
 from .conftest import make_hf_expert
 

@@ -9,21 +9,23 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from mergestream import engine, patch_build
-from mergestream.checkpoints import TensorMeta
-from mergestream.writers import ModelWriter
+from mergestream import engine
 from mergestream.errors import OutputExistsError
-from mergestream.patch_build import build_patch
+from mergestream.io.checkpoints import TensorMeta
+from mergestream.io.st import encode_header
+from mergestream.io.writers import ModelWriter
 from mergestream.patches import (
     PatchError,
     Weights,
@@ -33,7 +35,8 @@ from mergestream.patches import (
     read_patch,
     weights_sha256,
 )
-from mergestream.st import encode_header
+from mergestream.patches import build as patch_build
+from mergestream.patches.build import build_patch
 from mergestream.policies import REGISTRY
 
 from .conftest import perturb, random_model
@@ -49,7 +52,7 @@ POLICY_PARAMS = {
     "dop": {},
     "iso_c": {},
 }
-NO_TORCH = "import sys; sys.modules['torch'] = None; from mergestream.cli_patch import main; main()"
+NO_TORCH = "import sys; sys.modules['torch'] = None; from mergestream.patches.cli import main; main()"
 
 
 # -- helpers -----------------------------------------------------------------------------------
@@ -357,7 +360,7 @@ def test_build_refuses_an_existing_patch_unless_overwrite(tmp_path, patched):
 
 # -- command line -------------------------------------------------------------------------------
 def run_patch_cli(*args, no_torch: bool = False) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-c", NO_TORCH] if no_torch else [sys.executable, "-m", "mergestream.cli_patch"]
+    cmd = [sys.executable, "-c", NO_TORCH] if no_torch else [sys.executable, "-m", "mergestream.patches.cli"]
     return subprocess.run([*cmd, *map(str, args)], capture_output=True, text=True)
 
 
@@ -384,24 +387,38 @@ def test_cli_refuses_a_patch_for_another_source_with_one_line(tmp_path, patched)
 
 def test_apply_side_imports_without_torch():
     proc = subprocess.run([sys.executable, "-c", "import sys; sys.modules['torch'] = None; "
-                           "import mergestream.patches, mergestream.cli_patch; "
+                           "import mergestream.patches, mergestream.patches.cli; "
                            "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]"],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
 
 
+def _device_files() -> list[str]:
+    """The files docs/architecture.md says a device needs for the apply side."""
+    doc = (Path(__file__).parents[1] / "docs" / "architecture.md").read_text()
+    block = doc.split("<!-- device-files -->", 1)[1].split("<!-- /device-files -->", 1)[0]
+    return re.findall(r"^- `([^`]+)`", block, flags=re.M)
+
+
 def test_apply_module_is_standalone(tmp_path, patched):
-    """The apply side (patches.py + the format module st.py) copied alone next to nothing but numpy
-    applies a patch: no torch, no other module of the package."""
+    """The apply side copied alone (exactly the files docs/architecture.md lists for a device) next
+    to nothing but numpy applies a patch: no torch, no other module of the package. The interpreter
+    runs without ``site`` (``-S``), so the editable install's finder cannot fill a missing file in."""
     v1, v2, p = patched
-    lone = tmp_path / "lone" / "mergestream"
-    lone.mkdir(parents=True)
-    src = Path(__file__).parents[1] / "mergestream"
-    for name in ("__init__.py", "st.py", "patches.py"):
-        shutil.copy(src / name, lone / name)
+    files = _device_files()
+    assert "mergestream/patches/__init__.py" in files and "mergestream/io/st.py" in files
+    lone = tmp_path / "lone"
+    root = Path(__file__).parents[1]
+    for name in files:
+        (lone / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(root / name, lone / name)
+    deps = {str(Path(m.__file__).parents[1]) for m in (np, __import__("zstandard"))}
     code = (f"import sys; sys.modules['torch'] = None; "
-            f"from mergestream import patches; patches.apply_patch({str(v1)!r}, {str(p)!r}, {str(tmp_path / 'out')!r})")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=lone.parent,
-                          env={**os.environ, "PYTHONPATH": str(lone.parent)})
+            f"from mergestream import patches; patches.apply_patch({str(v1)!r}, {str(p)!r}, {str(tmp_path / 'out')!r}); "
+            f"mods = {{m: getattr(sys.modules[m], '__file__', '') for m in sys.modules if m.startswith('mergestream')}}; "
+            f"outside = [m for m, f in mods.items() if not f.startswith({str(lone)!r})]; "
+            f"assert not outside, outside; print(sorted(mods))")
+    proc = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, cwd=lone,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(lone), *sorted(deps)])})
     assert proc.returncode == 0, proc.stderr
     assert_bit_identical(tmp_path / "out", v2)

@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from mergestream.patch_build import PatchBuildError, build_patch
-from mergestream.patch_codec import decode_mask, encode_mask
 from mergestream.patches import PatchError, apply_patch, read_patch
+from mergestream.patches.build import PatchBuildError, build_patch
+from mergestream.patches.codec import decode_mask, encode_mask
 
 from .test_patches import (
     DTYPES,

@@ -8,16 +8,16 @@ import torch
 from peft.utils.merge_utils import ties as peft_ties
 
 from mergestream import engine
-from mergestream.checkpoints import open_checkpoint, read_state_dict
+from mergestream.engine.folding import weights_stream
 from mergestream.errors import NonFiniteError, PolicyError
-from mergestream.folding import weights_stream
+from mergestream.io.checkpoints import open_checkpoint, read_state_dict
+from mergestream.io.state import StateDir
 from mergestream.policies import TensorContext, cmaes_coefficients, make_policy
 from mergestream.policies.masks import magnitude_mask
 from mergestream.policies.mdm_oc import gram_schmidt, orthogonal_factors
 from mergestream.policies.recovery import PlainAdam
 from mergestream.policies.safe_merge import masked_recovery, top_singular
 from mergestream.policies.task_arithmetic import disjoint_mean, elect_sign, trim_top_k
-from mergestream.state import StateDir
 
 from .conftest import perturb, random_model, save_tensors
 
@@ -514,7 +514,7 @@ def test_safe_merge_with_the_engines_scratch_buffers_equals_fresh_memory(params)
     the same Δ_t and state, bit for bit, as with fresh memory, over three folds of tensors of
     several shapes folded in turn on one thread (a buffer reused for a smaller tensor, and for
     the next tensor while the last one's results are still held, must not leak into them)."""
-    from mergestream.stream import clear_scratch, policy_scratch
+    from mergestream.engine.stream import clear_scratch, policy_scratch
 
     gen = torch.Generator().manual_seed(11)
     shapes = [(300, 420), (140, 150), (300, 420), (96,), (160, 700)]

@@ -146,8 +146,8 @@ def test_weight_space_on_hf_folders(tiny_bert, tmp_path):
 def test_weight_space_on_real_folds_agrees_with_the_engine(tiny_bert, tmp_path):
     """Two task-arithmetic folds (λ = 1, no trim: Δ_t = τ_t) read back from the engine's outputs."""
     from mergestream import engine
-    from mergestream.checkpoints import read_state_dict
-    from mergestream.state import StateDir
+    from mergestream.io.checkpoints import read_state_dict
+    from mergestream.io.state import StateDir
 
     e1 = make_hf_expert(tiny_bert, tmp_path / "e1", seed=1, scale=0.01)
     e2 = make_hf_expert(tiny_bert, tmp_path / "e2", seed=2, scale=0.02)
@@ -236,7 +236,7 @@ def test_auto_svd_is_exact_only_up_to_the_short_side_limit(tmp_path, monkeypatch
     """``auto`` takes a full SVD only while the short side is at most EXACT_SVD_MAX_SIDE (512): a
     full SVD of a 2048² attention matrix cost 2.5 s against 0.14 s randomized, and the daemon's
     start-up probe of a 1 GiB θ₀ took 70 s. Either way the energy is right on a gapped spectrum."""
-    from mergestream import linalg
+    from mergestream.engine import linalg
 
     k = 4
     w, u, v = spectral_base(*shape, k, seed=11)
@@ -276,7 +276,7 @@ def test_svd_vectors_are_kept_in_the_cache_dir_for_the_next_process(tmp_path, mo
     a new process (in-memory cache cleared) reads them instead of computing them and gets the
     same energy bit for bit; a changed θ₀ gets new ones and its old file goes; an unreadable file
     is recomputed and rewritten; without a cache folder nothing is written."""
-    import mergestream.inspection as I
+    import mergestream.engine.inspection as I
 
     k = 3
     w, u, v = spectral_base(40, 32, k, seed=21)
@@ -812,8 +812,8 @@ def test_modules_below_the_daemon_do_not_import_it():
     import subprocess
     import sys
 
-    modules = ("mergestream.text", "mergestream.ri", "mergestream.experts", "mergestream.inspection",
-               "mergestream.linalg", "mergestream.plugins")
+    modules = ("mergestream.text", "mergestream.ri", "mergestream.experts", "mergestream.engine.inspection",
+               "mergestream.engine.linalg", "mergestream.plugins")
     code = ("import sys\n" + "".join(f"import {m}\n" for m in modules) +
             "bad = sorted(k for k in sys.modules if k.startswith('mergestream.daemon'))\n"
             "assert not bad, bad\n")

@@ -14,15 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from mergestream import engine, s3_checkpoint, st
-from mergestream.checkpoints import open_checkpoint, read_state_dict
+from mergestream import engine
 from mergestream.errors import (
     CorruptCheckpointError,
     MissingShardError,
     ObjectChangedError,
     ObjectGoneError,
 )
-from mergestream.expert_readers import content_sha256
+from mergestream.io import s3_checkpoint, st
+from mergestream.io.checkpoints import open_checkpoint, read_state_dict
+from mergestream.io.expert_readers import content_sha256
 
 from .conftest import perturb, random_model, run_cli, save_tensors
 from .s3_server import TEST_CREDENTIALS, s3  # noqa: F401 - s3: a fixture
@@ -156,7 +157,7 @@ def test_fold_from_s3_equals_the_local_fold_and_fetches_each_tensor_once(s3, buc
     uri = upload(s3, bucket, expert, "experts/e1.safetensors")
     local = engine.fold(base, None, expert, policy, {}, state_dir=tmp_path / "s-local", out=tmp_path / "o-local",
                         expert_id="e1")
-    caplog.set_level(logging.DEBUG, logger="mergestream.s3_checkpoint")
+    caplog.set_level(logging.DEBUG, logger="mergestream.io.s3_checkpoint")
     remote = engine.fold(base, None, uri, policy, {}, state_dir=tmp_path / "s-s3", out=tmp_path / "o-s3",
                          expert_id="e1", threads=2)
     assert remote.sha256 == local.sha256 == [content_sha256(expert)]
@@ -319,7 +320,7 @@ def test_ray_tasks_read_the_expert_from_the_bucket_through_a_reference(s3, bucke
     """Each Ray task reopens the expert by its path: a reference file sends it to the bucket (the
     workers get the credentials from their environment and the endpoint from the reference)."""
     ray = pytest.importorskip("ray")
-    from mergestream.executors import make_executor
+    from mergestream.engine.executors import make_executor
 
     base, expert = model
     c = s3.client()

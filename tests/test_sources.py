@@ -19,7 +19,6 @@ import pytest
 import torch
 from safetensors.torch import save, save_file
 
-from mergestream.checkpoints import open_checkpoint
 from mergestream.daemon.sources import (
     ExpertReady,
     FolderSource,
@@ -31,6 +30,7 @@ from mergestream.daemon.sources import (
     sign_webhook,
     torch_file_complete,
 )
+from mergestream.io.checkpoints import open_checkpoint
 from tests.mlflow_server import free_port, mlflow_server  # noqa: F401  (fixture)
 
 SETTLE = 0.5

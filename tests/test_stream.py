@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from mergestream import engine, residuals, stream
-from mergestream.checkpoints import Checkpoint, open_checkpoint, read_state_dict
+from mergestream import engine
+from mergestream.engine import residuals, stream
 from mergestream.errors import CorruptCheckpointError, FrozenTensorMismatchError, NonFiniteError, StateError
-from mergestream.expert_readers import content_sha256
+from mergestream.io.checkpoints import Checkpoint, open_checkpoint, read_state_dict
+from mergestream.io.expert_readers import content_sha256
+from mergestream.io.state import StateDir
 from mergestream.patches import weights_sha256
-from mergestream.state import StateDir
 
 from .conftest import perturb, random_model, save_tensors
 
@@ -222,7 +223,7 @@ def test_content_hash_is_one_definition(tmp_path):
     bpath = save_tensors(tmp_path / "base.safetensors", base)
     expert = perturb(base, 0.05, 3)
     single = save_tensors(tmp_path / "one" / "model.safetensors", expert).parent
-    from mergestream.writers import ModelWriter
+    from mergestream.io.writers import ModelWriter
 
     sharded = tmp_path / "sharded"
     sharded.mkdir()
@@ -422,7 +423,7 @@ def test_a_hostile_header_value_is_a_format_error_never_a_type_error(tmp_path, f
     checkpoint reader, the inbox readiness check and the patch reader all use it)."""
     import struct
 
-    from mergestream.st import FormatError, parse_header_text
+    from mergestream.io.st import FormatError, parse_header_text
 
     for bad in HOSTILE:
         entry = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
@@ -448,7 +449,7 @@ def test_whole_tensor_workers_share_the_cores_and_torch_threads_come_back(tmp_pa
     """With W worker threads, a whole-tensor policy's math runs with torch's intra-op threads divided
     by W (no W × cores oversubscription), a chunked element-wise fold keeps them, and the setting
     is restored after the fold, also when it fails."""
-    from mergestream.stream import shared_cores
+    from mergestream.engine.stream import shared_cores
 
     before = torch.get_num_threads()
     with shared_cores(2):

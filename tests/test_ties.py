@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mergestream import engine
-from mergestream.checkpoints import read_state_dict
+from mergestream.io.checkpoints import read_state_dict
 
 EMB, HEAD, MLP = "model.embed_tokens.weight", "lm_head.weight", "model.layers.0.mlp.weight"
 

@@ -9,10 +9,11 @@ import math
 import pytest
 import torch
 
-from mergestream import engine, residuals
-from mergestream.checkpoints import read_state_dict
+from mergestream import engine
+from mergestream.engine import residuals
+from mergestream.io.checkpoints import read_state_dict
+from mergestream.io.state import StateDir
 from mergestream.policies import REGISTRY, TensorContext, make_policy
-from mergestream.state import StateDir
 
 from .conftest import perturb, random_model, save_tensors
 

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from mergestream import engine
-from mergestream.checkpoints import open_checkpoint
 from mergestream.errors import (
     CorruptCheckpointError,
     DtypeMismatchError,
@@ -23,6 +22,7 @@ from mergestream.errors import (
     UnsupportedCheckpointError,
     VocabularyGrownError,
 )
+from mergestream.io.checkpoints import open_checkpoint
 
 from .conftest import perturb, random_model, run_cli, save_tensors
 
@@ -100,8 +100,8 @@ def test_bad_expert_cli_exits_nonzero_with_one_line(tmp_path, kind):
 
 def _hf_sharded(tmp_path, tensors):
     """A sharded HF folder (two shards + index) written by our own writer."""
-    from mergestream.checkpoints import TensorMeta
-    from mergestream.writers import ModelWriter
+    from mergestream.io.checkpoints import TensorMeta
+    from mergestream.io.writers import ModelWriter
 
     folder = tmp_path / "sharded"
     folder.mkdir()
@@ -146,7 +146,7 @@ def test_sharded_folder_reads_like_single_file(tmp_path):
     assert len(list(folder.glob("model-*.safetensors"))) > 1
     bpath = save_tensors(tmp_path / "base.safetensors", base)
     engine.fold(bpath, None, folder, "task_arithmetic", {"lambda": 1}, state_dir=tmp_path / "s", out=tmp_path / "o")
-    from mergestream.checkpoints import read_state_dict
+    from mergestream.io.checkpoints import read_state_dict
 
     got = read_state_dict(tmp_path / "o")
     for k, v in base.items():

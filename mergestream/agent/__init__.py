@@ -2,7 +2,7 @@
 
 Installable without torch: it imports only the standard library, numpy (via
 :mod:`mergestream.patches`), python-tuf's client (``tuf.ngclient``, with urllib3 and
-securesystemslib), click, and from mergestream only torch-free modules (:mod:`mergestream.st`,
+securesystemslib), click, and from mergestream only torch-free modules (:mod:`mergestream.io.st`,
 :mod:`mergestream.patches`, :mod:`mergestream.feed.layout`, :mod:`mergestream.errors`).
 
 Modules: :mod:`.plan` (shortest verified path), :mod:`.fetch` (resumable, verified downloads),

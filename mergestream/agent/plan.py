@@ -3,7 +3,7 @@
 Pure and standard-library only: the device agent plans with it, and ``mergestream feed build``
 uses it to report how many bytes a device at each version needs.
 
-The graph: nodes are weights hashes (:mod:`mergestream.st`); each patch target is an edge
+The graph: nodes are weights hashes (:mod:`mergestream.io.st`); each patch target is an edge
 ``from_sha256 -> to_sha256`` costing its length in bytes; the full model of the latest version
 is an edge from anywhere (a fresh device included) costing the sum of its files' lengths.
 Dijkstra over bytes (ties: fewer downloads) gives the cheapest route.

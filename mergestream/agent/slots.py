@@ -20,7 +20,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from ..st import fsync_dir
+from ..io.st import fsync_dir
 from .errors import LocalStateError
 
 SLOTS = ("a", "b")

@@ -36,7 +36,7 @@ from prometheus_client import Gauge
 from .. import engine
 from ..config import Config
 from ..errors import CheckpointError, MergestreamError, ValidationError
-from ..state import StateDir
+from ..io.state import StateDir
 from . import gate
 from .ledger import ExpertRow, Ledger
 from .metrics import Metrics
@@ -131,7 +131,7 @@ class Pipeline:
     def executor(self) -> Any:
         """The engine's executor of ``cfg.executor`` (None: local threads), made at the first fold."""
         if self.cfg.executor.kind != "local" and self._executor is None:
-            from ..executors import make_executor
+            from ..engine.executors import make_executor
 
             self._executor = make_executor(self.cfg.executor.kind, self.cfg.executor.address)
         return self._executor
@@ -330,7 +330,7 @@ class Pipeline:
 
     def _write_patch(self, prev: int, staging: Path) -> Path | None:
         try:
-            from ..patch_build import build_patch
+            from ..patches.build import build_patch
         except ImportError:  # pragma: no cover - patches are optional
             return None
         out = staging / f"patch-from-{prev:06d}.safetensors"

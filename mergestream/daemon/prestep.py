@@ -1,7 +1,7 @@
 """A fold's data-driven extras: the RI pre-step that adapts an expert before it is folded
 (``policy.preprocess: [ri]``), and the probe objective of a policy that searches its coefficients.
 
-``coefficients: adamerging`` gets :class:`~mergestream.coefficients.EntropyObjective` instead: the
+``coefficients: adamerging`` gets :class:`~mergestream.engine.coefficients.EntropyObjective` instead: the
 task heads RI uses (every accepted expert's and the candidate's) on RI's unlabeled inputs
 (``policy.ri.data``), through RI's feature model.
 
@@ -19,8 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..coefficients import EntropyObjective
 from ..config import Config
+from ..engine.coefficients import EntropyObjective
 from ..errors import MergestreamError
 from ..ri import RIError, RIParams, adapt_expert, load_feature_model, read_aux
 from ..text import has_tokenizer, load_head

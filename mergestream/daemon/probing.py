@@ -12,7 +12,7 @@ from typing import Any
 
 from ..config import Config
 from ..errors import MergestreamError
-from ..state import StateDir
+from ..io.state import StateDir
 from .ledger import Ledger
 from .probes import ProbeContext, discover_task_probe, make_probe, run_probes
 from .store import Store

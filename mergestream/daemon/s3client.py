@@ -2,7 +2,7 @@
 verified downloads of objects.
 
 boto3 is an optional extra (``pip install 'mergestream[s3]'``) and is imported inside the functions
-here and in :mod:`mergestream.s3_checkpoint` (the client, :func:`make_client`, and reading
+here and in :mod:`mergestream.io.s3_checkpoint` (the client, :func:`make_client`, and reading
 checkpoints in place), so the daemon never imports it unless ``s3`` or ``publish.uri`` is configured.
 
 Credentials come only from boto3's default chain (environment, shared config/credentials files,
@@ -19,8 +19,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ..s3_checkpoint import error_code as _code
-from ..s3_checkpoint import make_client  # noqa: F401  (the one home of the client; re-exported here)
+from ..io.s3_checkpoint import error_code as _code
+from ..io.s3_checkpoint import make_client  # noqa: F401  (the one home of the client; re-exported here)
 
 log = logging.getLogger(__name__)
 

@@ -19,11 +19,11 @@ import signal
 import threading
 import time
 
-from ..checkpoints import open_checkpoint
 from ..config import Config, ConfigError
 from ..errors import CheckpointError, MergestreamError
-from ..expert_readers import content_sha256
-from ..input_formats import check_not_quantized
+from ..io.checkpoints import open_checkpoint
+from ..io.expert_readers import content_sha256
+from ..io.input_formats import check_not_quantized
 from .feed_publish import build_feed_publisher
 from .ledger import Ledger
 from .metrics import Metrics, MetricsServer

@@ -3,7 +3,7 @@
 Layout under the state folder::
 
     versions/000001/model/        the backbone (sharded safetensors + the base's config/tokenizer)
-    versions/000001/state/        the policy state after this version (mergestream.state layout)
+    versions/000001/state/        the policy state after this version (mergestream.io.state layout)
     versions/000001/fold.json     what produced it: expert, policy, parameters, probes, decision
     current -> versions/000001    symlink, switched with rename(2) + fsync of the folder
     staging/<name>/               candidates being built; removed at start-up (stale after a crash)
@@ -29,8 +29,8 @@ from typing import Any
 from filelock import FileLock, Timeout
 
 from ..errors import MergestreamError, StateError
-from ..st import fsync_dir, link_or_copy
-from ..state import StateDir
+from ..io.st import fsync_dir, link_or_copy
+from ..io.state import StateDir
 
 log = logging.getLogger(__name__)
 

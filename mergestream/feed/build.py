@@ -50,8 +50,8 @@ from tuf.api.serialization.json import JSONSerializer
 from ..agent.plan import Target, shortest
 from ..daemon.store import Store
 from ..errors import MergestreamError
+from ..io.st import aux_files, fsync_dir, link_or_copy, read_header
 from ..patches import PATCH_FORMAT_2, Weights
-from ..st import aux_files, fsync_dir, link_or_copy, read_header
 from . import keys as feed_keys
 from .layout import CUSTOM_KEY, LATEST, custom_of, model_path, patch_path
 
@@ -149,7 +149,7 @@ def build_feed(state_dir: str | os.PathLike, out: str | os.PathLike, keys_dir: s
             already-expired metadata: tests use it).
         patch_format / zstd_level: 1 publishes the daemon's patches as they are; 2 re-encodes each
             one whose source version is still kept in patch format 2 (bitmasks, optional zstd at
-            ``zstd_level``; :mod:`mergestream.patch_codec`), which every agent applies.
+            ``zstd_level``; :mod:`mergestream.patches.codec`), which every agent applies.
 
     Returns:
         A report: ``release``, ``latest`` (version, weights_sha256, rollback), ``root_version``,
@@ -205,7 +205,7 @@ def _build(store: Store, out: Path, keys_dir: Path, latest: int | None, keep: in
             src = int(p.name.removeprefix("patch-from-").removesuffix(".safetensors"))
             if patch_format == 2 and (store.path(src) / "model").is_dir() \
                     and read_header(p).metadata.get("patch_format") != PATCH_FORMAT_2:  # not already format 2
-                from ..patch_build import build_patch
+                from ..patches.build import build_patch
 
                 p2 = work / p.name.replace("patch-from", f"{n:06d}-from")
                 build_patch(store.path(src) / "model", models[n], p2, source_version=str(src), target_version=str(n),
@@ -225,7 +225,7 @@ def _build(store: Store, out: Path, keys_dir: Path, latest: int | None, keep: in
     if rollback and prev_latest["version"] in models:
         back = patch_path(prev_latest["version"], latest)
         if back not in chosen:
-            from ..patch_build import build_patch
+            from ..patches.build import build_patch
 
             tmp = work / Path(back).name
             st = build_patch(models[prev_latest["version"]], models[latest], tmp, source_version=str(prev_latest["version"]),

@@ -5,7 +5,7 @@ Torch-free and TUF-free (standard library only): the agent imports it on devices
 Target custom info, under ``custom["mergestream"]`` of each TUF target:
 
 * ``{"kind": "patch", "from_version": int, "to_version": int, "from_sha256": hex, "to_sha256": hex}``
-  for ``patches/<from:06d>-<to:06d>.safetensors`` (hashes: the weights hash of :mod:`mergestream.st`);
+  for ``patches/<from:06d>-<to:06d>.safetensors`` (hashes: the weights hash of :mod:`mergestream.io.st`);
 * ``{"kind": "model", "version": int, "weights_sha256": hex, "file": relative path}`` for each file
   ``models/<version:06d>/<file>`` of a full model folder;
 * ``{"kind": "latest", "version": int, "weights_sha256": hex, "release": int, "rollback": bool}``

@@ -19,7 +19,7 @@ clips to [0, 1]); the best iterate seen is returned (never worse than the start)
 This module is the math (no I/O, no model classes): a forward function ``f(params) -> features``
 is supplied by the caller (e.g. :func:`torch.func.functional_call` of a Hugging Face encoder plus
 pooling). The engine's coefficient mode beside ``fixed`` and ``cmaes`` (MDM-OC
-``coefficients=adamerging``) is built on it in :mod:`mergestream.coefficients`: one fold learns
+``coefficients=adamerging``) is built on it in :mod:`mergestream.engine.coefficients`: one fold learns
 its own expert's per-layer λ, with earlier experts at the values the state holds.
 """
 

@@ -44,7 +44,7 @@ class TensorContext:
         dtype: the tensor's storage dtype in the checkpoint (the math is float32 regardless);
             a policy may keep tensor-sized state no wider than what the checkpoint stores.
         buffers: ``(slot, numel, dtype, device) -> flat tensor``, the engine's per-thread reusable
-            buffers (:func:`mergestream.stream.scratch`), or None for fresh memory; use them
+            buffers (:func:`mergestream.engine.stream.scratch`), or None for fresh memory; use them
             through :meth:`scratch`.
     """
 
@@ -100,7 +100,7 @@ class Policy:
 
     Subclasses set ``name`` and ``Params`` and implement :meth:`fold_tensor`. The defaults make
     every additive policy unmergeable by ``subtract`` (the engine stores the residual each fold
-    applied, :mod:`mergestream.residuals`) and give an offline K-way :meth:`merge_tensor` that
+    applied, :mod:`mergestream.engine.residuals`) and give an offline K-way :meth:`merge_tensor` that
     folds the task vectors one by one in memory.
     """
 

@@ -1,6 +1,6 @@
 """Randomized top-k singular subspaces: the one implementation the policies and the weight-space
 statistics share (SAFE-Merge's U₀/V₀ and risk subspaces, MDM-OC's factored directions,
-:func:`mergestream.linalg.top_singular_vectors`).
+:func:`mergestream.engine.linalg.top_singular_vectors`).
 
 Halko, Martinsson & Tropp, "Finding structure with randomness", SIAM Review 2011, Alg. 4.4
 (randomized subspace iteration with QR re-orthonormalisation at every step).

@@ -15,7 +15,7 @@ Per tensor (METHODS.md §mdm_oc):
    jointly with a quadratic stability penalty on moving earlier α (eq. 7, the EWC-style term):
    see :func:`cmaes_coefficients`. Or per layer (``coefficients=adamerging``): the new direction
    gets one α per layer group, learned by entropy minimisation on unlabeled inputs
-   (:mod:`.adamerging`, run by the engine, :mod:`mergestream.coefficients`); earlier experts keep
+   (:mod:`.adamerging`, run by the engine, :mod:`mergestream.engine.coefficients`); earlier experts keep
    theirs. ``layer_alphas`` folds with given per-layer α (what replay of such a fold uses).
 4. Unmerge expert k: θ − α_k δ_k⊥ (exact up to rounding); the state drops direction k.
 
@@ -138,7 +138,7 @@ class MdmOc(Policy):
     def searches_coefficients(self) -> str | None:
         """Which search the engine runs after the fold pass (truthy), or None for fixed α:
         ``"cmaes"`` (every α on a black-box objective, §3 step 3) or ``"adamerging"`` (the new
-        direction's per-layer α on a differentiable one, :mod:`mergestream.coefficients`)."""
+        direction's per-layer α on a differentiable one, :mod:`mergestream.engine.coefficients`)."""
         return None if self.params.coefficients == "fixed" else self.params.coefficients
 
     def coefficient(self) -> float | None:

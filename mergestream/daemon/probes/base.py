@@ -91,9 +91,9 @@ class ProbeContext:
     Attributes:
         base: θ₀, a ``.safetensors`` file or a Hugging Face folder.
         previous: the current published backbone's model folder; None before the first fold.
-        contributions: residual files (mergestream.residuals), one per fold folded so far including the
+        contributions: residual files (mergestream.engine.residuals), one per fold folded so far including the
             candidate's own (last); may be empty. Open one with
-            :func:`mergestream.residuals.open_contribution` (path, θ₀): a Task Arithmetic fold's
+            :func:`mergestream.engine.residuals.open_contribution` (path, θ₀): a Task Arithmetic fold's
             file stores no residual tensor, its Δ is recomputed from the expert it records.
         tasks: per-task probes registered by earlier experts (and the candidate's own).
         device: torch device for the probes' math and forward passes (``cpu``, ``cuda``, ``cuda:1``).

@@ -1,7 +1,7 @@
 """``weight_space``: the data-free probe, always on.
 
-Metrics (reads weights tensor by tensor through :class:`~mergestream.checkpoints.Checkpoint`, never
-a whole model; the statistics are :mod:`mergestream.inspection`'s):
+Metrics (reads weights tensor by tensor through :class:`~mergestream.io.checkpoints.Checkpoint`, never
+a whole model; the statistics are :mod:`mergestream.engine.inspection`'s):
 
 ``relative_drift``  ‖θ_cand − θ₀‖ / ‖θ₀‖ over every float tensor of θ₀ (dimensionless).
 ``step_drift``      ‖θ_cand − θ_prev‖ / ‖θ₀‖ (θ_prev = θ₀ before the first fold).
@@ -32,11 +32,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from ...checkpoints import Checkpoint, TensorMeta, is_float_dtype, open_checkpoint
-from ...inspection import drift_sums, gram_matrix
-from ...linalg import SVD_MODES, max_abs_cosine
+from ...engine.inspection import drift_sums, gram_matrix
+from ...engine.linalg import SVD_MODES, max_abs_cosine
+from ...engine.residuals import is_exception_key, open_contribution
 from ...errors import StateError
-from ...residuals import is_exception_key, open_contribution
+from ...io.checkpoints import Checkpoint, TensorMeta, is_float_dtype, open_checkpoint
 from .base import ProbeContext, ProbeError, positive_int, probe_device
 
 #: θ₀ top-k singular vectors: key (base file fingerprint, k, svd mode) -> {tensor: (U m×k, V n×k)}.
@@ -140,7 +140,7 @@ class WeightSpaceProbe:
     Args:
         k: rank of θ₀'s "general" subspace per 2-D tensor (capped at min(m, n)).
         svd: ``auto`` (exact SVD while the short side is at most 512 and m·n·min(m, n) ≤ 2³³,
-            randomized subspace iteration otherwise: :func:`mergestream.linalg.top_singular_vectors`),
+            randomized subspace iteration otherwise: :func:`mergestream.engine.linalg.top_singular_vectors`),
             ``exact`` or ``lowrank``.
         chunk_bytes: memory cap (bytes) of the stacked float64 contribution slices held at once
             (a larger single row is read alone).

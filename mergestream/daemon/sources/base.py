@@ -40,7 +40,7 @@ class ExpertReady:
         source: the emitting source's :attr:`Source.name` (``"folder"``, ``"mlflow"``).
         uri: local filesystem path of the expert: a ``.safetensors`` (or ``.bin``/``.pt``) file, a
             Hugging Face model folder, or a PEFT adapter folder.
-        expert_id: folder: :func:`mergestream.checkpoints.default_expert_id` of the path; mlflow:
+        expert_id: folder: :func:`mergestream.io.checkpoints.default_expert_id` of the path; mlflow:
             ``f"{model_name}-v{version}"``.
         registry_key: mlflow: ``f"mlflow:{model_name}:{version}"``; folder: None.
         metadata: provenance strings. mlflow: ``mlflow.model``, ``mlflow.version``,

@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ...checkpoints import default_expert_id
+from ...io.checkpoints import default_expert_id
 from .base import Emit, ExpertReady, Source, SourceContext
 from .readiness import (
     MARKER_NAME,
@@ -269,8 +269,8 @@ class FolderSource(Source):
 
         observer = Observer()  # inotify: raises OSError(EMFILE) when no instance is left
         try:
-            self._report_refused_watches(observer)
             observer.schedule(_InboxHandler(self), str(self.inbox), recursive=True)
+            self._report_refused_watches(observer)  # watchdog >= 7 opens its inotify reader in schedule
             observer.daemon = True
             observer.start()  # raises OSError(ENOSPC) when the inbox itself cannot be watched
         except BaseException:

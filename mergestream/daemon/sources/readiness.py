@@ -13,7 +13,7 @@ Ignored names (temporary or hidden): a leading ``.``; a trailing ``~``; the suff
 whole entry) and inside folders (not part of the expert).
 
 Complete (:func:`expert_complete`): a ``.safetensors`` file is accepted by
-:func:`mergestream.st.read_header` (its header parses and validates, and the file size equals
+:func:`mergestream.io.st.read_header` (its header parses and validates, and the file size equals
 ``8 + header length + end of the last tensor``: a truncated or still-growing file fails, and so does
 a whole file the checkpoint reader would refuse); a ``.bin``/``.pt`` zip archive (``torch.save``'s
 format) has its end-of-archive record; an old-style pickle ``.bin`` cannot be checked (settle only);
@@ -30,8 +30,8 @@ import os
 import zipfile
 from pathlib import Path
 
-from ... import st
-from ...checkpoints import INDEX_NAME, SINGLE_NAME
+from ...io import st
+from ...io.checkpoints import INDEX_NAME, SINGLE_NAME
 
 MARKER_NAME = "READY"
 MARKER_SUFFIX = ".READY"
@@ -51,7 +51,7 @@ def is_temporary_name(name: str) -> bool:
 
 
 def safetensors_complete(path: Path) -> bool:
-    """True if ``path`` is a whole safetensors file, as :func:`mergestream.st.read_header` checks
+    """True if ``path`` is a whole safetensors file, as :func:`mergestream.io.st.read_header` checks
     it: the header parses and validates and the file size equals ``8 + header length + end offset of
     the last tensor`` (bytes).
 

@@ -6,7 +6,7 @@ any number of pages). What lies under the prefix:
 * ``<prefix><name>.safetensors`` (directly under the prefix): one single-file expert. It is ready
   when its ETag and size were the same in two consecutive listings *and* its size equals what its
   safetensors header declares (8 + header length + end of the last tensor; read with two ranged
-  GETs, parsed by :func:`mergestream.st.parse_header_text`). An object shorter (or longer) than
+  GETs, parsed by :func:`mergestream.io.st.parse_header_text`). An object shorter (or longer) than
   its header declares is a truncated object: reported once (error log, ``on_error``, status note)
   and never folded; a re-upload fixes it.
 * ``<prefix><name>/...`` (a folder-like prefix): one folder expert (a Hugging Face folder, a PEFT
@@ -25,15 +25,15 @@ Reading, ``s3.cache: true`` (the default): every object is streamed into
 ``<state>/cache/s3/<bucket>/<version id>/`` (a temporary folder renamed into place when whole),
 with ``IfMatch: <ETag>`` (a replaced object fails instead of mixing versions), its byte count
 checked against the listing and, for single-part uploads, its MD5 against the ETag; safetensors
-files are then checked complete with :func:`mergestream.st.read_header`. Then an
+files are then checked complete with :func:`mergestream.io.st.read_header`. Then an
 :class:`~.base.ExpertReady` with the local path is emitted, as the MLflow source does; the service
 hashes and folds it.
 
 Reading, ``s3.cache: false``: nothing is downloaded. The source writes a reference file
-``<state>/s3-refs/<bucket>/<version id>/<name>.s3ref.json`` (:class:`mergestream.s3_checkpoint.S3Ref`:
+``<state>/s3-refs/<bucket>/<version id>/<name>.s3ref.json`` (:class:`mergestream.io.s3_checkpoint.S3Ref`:
 the URI, the endpoint, and the key, ETag and size of every object of that version) and emits its
 path; the service hashes the expert and the engine folds it through it with ranged GETs
-(:mod:`mergestream.s3_checkpoint`), every read pinned to the listed ETag. The size was verified
+(:mod:`mergestream.io.s3_checkpoint`), every read pinned to the listed ETag. The size was verified
 before (single files: the header's declared size, at readiness; every object: at open against
 the reference), the content hash on the fold's own pass. The daemon's kept copy of an accepted
 expert (``state/experts/<id>/``) is then that reference (a few hundred bytes): replay re-reads
@@ -61,9 +61,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ... import st
 from ...errors import MergestreamError
-from ...s3_checkpoint import REF_SUFFIX, S3Ref
+from ...io import st
+from ...io.s3_checkpoint import REF_SUFFIX, S3Ref
 from ..s3client import (
     ObjectError,
     classify,

@@ -1,8 +1,8 @@
 """One tensor of a fold: θ_t = cast(θ_{t−1} + Δ_t), the policy state update and the residual.
 
-The per-tensor map of :func:`mergestream.folding.fold`, in one place for both executors: the local
+The per-tensor map of :func:`mergestream.engine.folding.fold`, in one place for both executors: the local
 one calls a :class:`TensorFolder` from its worker threads with the real writers; the Ray executor
-(:mod:`mergestream.executors`) rebuilds the same :class:`TensorFolder` in a task from a picklable
+(:mod:`mergestream.engine.executors`) rebuilds the same :class:`TensorFolder` in a task from a picklable
 :class:`FoldSpec` (paths on storage every worker reaches) and hands it recording writers whose
 calls the driver replays onto the real ones. Same code, same inputs, same bytes.
 """
@@ -16,14 +16,12 @@ from typing import Any
 
 import torch
 
+from ..io.checkpoints import Checkpoint, check_finite_tensor, is_embedding_name, open_checkpoint
+from ..io.expert_readers import DenseExpert, open_expert
+from ..io.state import SEP, StateDir
+from ..policies import Policy, TensorContext
+from ..policies.lines import block_count
 from . import linear_fold
-from .checkpoints import (
-    Checkpoint,
-    check_finite_tensor,
-    is_embedding_name,
-    open_checkpoint,
-)
-from .expert_readers import DenseExpert, open_expert
 from .passes import (
     Stats,
     cast_checked,
@@ -31,16 +29,13 @@ from .passes import (
     seed_of,
     write_with_aliases,
 )
-from .policies import Policy, TensorContext
-from .policies.lines import block_count
-from .state import SEP, StateDir
 from .stream import policy_scratch, read_scratch, scratch
 
 
 @dataclass
 class FoldSinks:
     """Where one tensor's fold goes: the output model (``write(name, tensor)``), the state file
-    (``write(key, tensor)``), the residual writer (:class:`~mergestream.residuals.ResidualWriter`
+    (``write(key, tensor)``), the residual writer (:class:`~mergestream.engine.residuals.ResidualWriter`
     API, or None when the policy keeps its contributions in its state) and the statistics."""
 
     writer: Any
@@ -54,7 +49,7 @@ class TensorFolder:
 
     Args:
         pol: the policy. base_ck / cur: θ₀ and θ_{t−1} (the same object at the first fold).
-        exp: the expert (dense or LoRA, :mod:`mergestream.expert_readers`).
+        exp: the expert (dense or LoRA, :mod:`mergestream.io.expert_readers`).
         read_state: ``name -> {field: tensor}``, the tensor's policy state before this fold.
         aliases: θ₀'s kept ties ``{alias: primary}``. where: the expert's description for errors.
         n_prev / prev_coeffs: folds before this one and their coefficients. dev: the math device.

@@ -6,11 +6,11 @@ What opens
     ``model.safetensors.index.json`` with its shards, else ``model.safetensors``), or a reference
     file ``<name>.s3ref.json`` (:class:`S3Ref`: the URI, the endpoint and the ETag and size of every
     object, as the daemon's S3 source wrote them when it saw the expert). :func:`open_objects`
-    returns what :func:`mergestream.checkpoints.open_checkpoint` needs to build an ordinary
-    :class:`~mergestream.checkpoints.Checkpoint` over them: the files and an :class:`S3Objects`
-    byte source. Headers are fetched with ranged GETs and parsed by :mod:`mergestream.st`; tensor
+    returns what :func:`mergestream.io.checkpoints.open_checkpoint` needs to build an ordinary
+    :class:`~mergestream.io.checkpoints.Checkpoint` over them: the files and an :class:`S3Objects`
+    byte source. Headers are fetched with ranged GETs and parsed by :mod:`mergestream.io.st`; tensor
     bytes are fetched with one ranged GET per read, streamed in :data:`CHUNK_BYTES` pieces straight
-    into the caller's buffer. The content hash is the one of :class:`mergestream.st.WeightsHash`
+    into the caller's buffer. The content hash is the one of :class:`mergestream.io.st.WeightsHash`
     (the checkpoint's own ``sha256()`` and the fold's single pass read through the same source).
 
 Consistency
@@ -40,8 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import st
-from .errors import (
+from ..errors import (
     CheckpointError,
     CorruptCheckpointError,
     MergestreamError,
@@ -50,6 +49,7 @@ from .errors import (
     ObjectGoneError,
     UnsupportedCheckpointError,
 )
+from . import st
 
 log = logging.getLogger(__name__)
 
@@ -353,7 +353,7 @@ def open_objects(path: str | os.PathLike, client: Any = None) -> tuple[str, dict
             reference's endpoint and region, or boto3's configuration.
 
     Returns:
-        ``(uri, weight_map or None, files, source)`` for :func:`mergestream.checkpoints.open_checkpoint`.
+        ``(uri, weight_map or None, files, source)`` for :func:`mergestream.io.checkpoints.open_checkpoint`.
 
     Raises:
         ObjectGoneError: the object (or the folder's index and ``model.safetensors``) is absent.

@@ -1,6 +1,6 @@
 """The safetensors format without torch or numpy: headers, raw reads and writes, fsync, weights hash.
 
-One home for the file format, shared by the checkpoint readers/writers (:mod:`mergestream.checkpoints`),
+One home for the file format, shared by the checkpoint readers/writers (:mod:`mergestream.io.checkpoints`),
 the patch apply side (:mod:`mergestream.patches`, which must stay importable with numpy alone) and
 anything that checks a file's completeness. Standard library only.
 

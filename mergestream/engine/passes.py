@@ -1,7 +1,7 @@
 """What every streaming pass shares: the report, the expert loader, casting and writing results.
 
 The fold and the offline merge (:mod:`.folding`), the unmerge (:mod:`.unmerge`) and the θ₀ copy
-all run on :func:`mergestream.stream.run_stream`; this module holds the pieces they have in common
+all run on :func:`mergestream.engine.stream.run_stream`; this module holds the pieces they have in common
 so that each pass reads as its own math. Tensors are float32 for the math and cast back to the
 storage dtype of θ₀ on the CPU before they are written.
 """
@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from .checkpoints import (
+from ..errors import NonFiniteError
+from ..io.checkpoints import (
     DEFAULT_SHARD_BYTES,
     Checkpoint,
     check_frozen,
@@ -30,12 +31,11 @@ from .checkpoints import (
     sum_is_finite,
     validate_against_base,
 )
-from .errors import NonFiniteError
-from .expert_readers import DenseExpert
-from .policies import Policy, make_policy
-from .st import name_order
+from ..io.expert_readers import DenseExpert
+from ..io.st import name_order
+from ..io.writers import ModelWriter, copy_aux_files, staged_output
+from ..policies import Policy, make_policy
 from .stream import ExpertReader, default_threads, run_stream
-from .writers import ModelWriter, copy_aux_files, staged_output
 
 log = logging.getLogger("mergestream.engine")
 

@@ -16,11 +16,15 @@ from typing import Any
 
 import torch
 
+from ..errors import CorruptCheckpointError, MergestreamError, StateError
+from ..io.checkpoints import DEFAULT_SHARD_BYTES, is_float_dtype, validate_against_base
+from ..io.expert_readers import DenseExpert, open_expert
+from ..io.s3_checkpoint import is_s3_path
+from ..io.state import SEP, Manifest, StateDir, final_name
+from ..io.writers import AppendWriter, ModelWriter, staged_output
+from ..policies import make_policy
 from . import linear_fold, residuals
 from ._alloc import pin_mmap_threshold
-from .checkpoints import DEFAULT_SHARD_BYTES, is_float_dtype, validate_against_base
-from .errors import CorruptCheckpointError, MergestreamError, StateError
-from .expert_readers import DenseExpert, open_expert
 from .folding import fold
 from .inspection import resolve_device
 from .passes import (
@@ -39,11 +43,7 @@ from .passes import (
     worker_threads,
     write_with_aliases,
 )
-from .policies import make_policy
-from .s3_checkpoint import is_s3_path
-from .state import SEP, Manifest, StateDir, final_name
 from .stream import Progress, run_stream
-from .writers import AppendWriter, ModelWriter, staged_output
 
 
 def unmerge(state_dir: str | os.PathLike, expert_id: str, mode: str, *, out: str | os.PathLike,
@@ -70,7 +70,7 @@ def unmerge(state_dir: str | os.PathLike, expert_id: str, mode: str, *, out: str
     ``subtract`` of the most recent fold the state is the one before that fold, so the next fold
     equals the fold that would have come without it (byte for byte where the backbone is).
 
-    ``executor`` (:mod:`mergestream.executors`; None: local threads) runs replay's folds; subtract
+    ``executor`` (:mod:`mergestream.engine.executors`; None: local threads) runs replay's folds; subtract
     is one cheap element-wise pass and always runs locally.
 
     Raises:

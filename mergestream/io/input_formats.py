@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
+from ..errors import QuantizedCheckpointError, UnsupportedCheckpointError
 from . import st
-from .errors import QuantizedCheckpointError, UnsupportedCheckpointError
 
 #: keys of a training checkpoint that hold the model's state dict, in the order they are tried
 CONTAINER_KEYS = ("state_dict", "model_state_dict", "model", "module")
@@ -101,7 +101,7 @@ def check_not_quantized(ck: Any, role: str) -> None:
     """Refuse a quantized checkpoint from its headers (names and dtypes only, no data read).
 
     ``ck`` is anything with ``path``, ``keys()`` and ``meta(name)``: a
-    :class:`~mergestream.checkpoints.Checkpoint` or a dense expert. Quantized: :func:`quantized_reason`.
+    :class:`~mergestream.io.checkpoints.Checkpoint` or a dense expert. Quantized: :func:`quantized_reason`.
 
     Raises:
         QuantizedCheckpointError: naming the first quantized tensor; nothing is merged from stored

@@ -3,7 +3,7 @@
 The math is :mod:`mergestream.policies.adamerging` (Yang et al., ICLR 2024, layer-wise AdaMerging,
 eq. 4-5). This module is what the engine and its callers need around it:
 
-* :func:`learn_layer_coefficients` — run by :func:`mergestream.folding.fold` after the fold pass of
+* :func:`learn_layer_coefficients` — run by :func:`mergestream.engine.folding.fold` after the fold pass of
   a policy whose ``searches_coefficients()`` is ``"adamerging"`` (MDM-OC). The new expert's
   direction d (rebuilt from the state just written) gets one coefficient per layer group g
   (:func:`~mergestream.policies.adamerging.layer_groups`: 0 outside the blocks, N + 1 for block N):
@@ -36,19 +36,14 @@ from pathlib import Path
 
 import torch
 
-from .checkpoints import Checkpoint, is_float_dtype
-from .errors import MergestreamError, PolicyError
-from .policies import Policy
-from .policies.adamerging import (
-    adamerging_coefficients,
-    layer_groups,
-    merge_layerwise,
-    prediction_entropy,
-)
-from .policies.lines import block_count
-from .ri import AuxItem, FeatureModel, Head, _match_names
-from .state import SEP
-from .writers import AppendWriter
+from ..errors import MergestreamError, PolicyError
+from ..io.checkpoints import Checkpoint, is_float_dtype
+from ..io.state import SEP
+from ..io.writers import AppendWriter
+from ..policies import Policy
+from ..policies.adamerging import adamerging_coefficients, layer_groups, merge_layerwise, prediction_entropy
+from ..policies.lines import block_count
+from ..ri import AuxItem, FeatureModel, Head, _match_names
 
 log = logging.getLogger("mergestream.engine")
 

@@ -24,14 +24,14 @@ from pathlib import Path
 
 import torch
 
+from ..errors import OutputExistsError
 from . import st
 from .checkpoints import DEFAULT_SHARD_BYTES, TORCH_TO_ST, Checkpoint, TensorMeta
-from .errors import OutputExistsError
 
 __all__ = ["ModelWriter", "AppendWriter", "staged_output", "copy_aux_files", "tensor_bytes"]
 
 
-#: writes of at least this many bytes start their writeback at once (:func:`mergestream.st.start_writeback`)
+#: writes of at least this many bytes start their writeback at once (:func:`mergestream.io.st.start_writeback`)
 WRITEBACK_MIN_BYTES = 1 << 20
 
 
@@ -302,6 +302,6 @@ def staged_output(out: str | os.PathLike, *, overwrite: bool = False) -> Iterato
 
 def copy_aux_files(src: Checkpoint, dest: Path) -> list[str]:
     """Copy the base's non-weight files into ``dest``: config.json, tokenizer files and whole
-    subfolders such as sentence-transformers' ``1_Pooling/`` (:func:`mergestream.st.aux_files`).
+    subfolders such as sentence-transformers' ``1_Pooling/`` (:func:`mergestream.io.st.aux_files`).
     Returns the relative names copied."""
     return st.copy_aux_files(src.path, dest)

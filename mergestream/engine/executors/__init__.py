@@ -1,4 +1,4 @@
-"""Executors of a fold's per-tensor map: local threads (the default, :func:`~mergestream.stream.run_stream`)
+"""Executors of a fold's per-tensor map: local threads (the default, :func:`~mergestream.engine.stream.run_stream`)
 or a Ray cluster (the optional extra ``mergestream[ray]``; :mod:`.ray_cluster`, the only module that
 imports ``ray``).
 
@@ -8,7 +8,7 @@ frozen (integer) tensors itself, and commits the output, the state and the manif
 local fold does. Ray tasks take groups of float tensors (consecutive in canonical order, about
 ``total / (4 · cluster CPUs)`` bytes each), open θ₀, θ_{t−1}, the expert and the state folder from
 their paths (storage every worker reaches: a shared filesystem; ``s3://`` inputs are not read by
-tasks), run the same :class:`~mergestream.fold_tensor.TensorFolder` as the local path with
+tasks), run the same :class:`~mergestream.engine.fold_tensor.TensorFolder` as the local path with
 recording writers, and return what it wrote (tensors and residual bytes). The driver replays the
 recordings in canonical order onto the real writers, so the output, the state file and the
 residual file are the bytes of a local fold with ``threads=1``. The expert is read twice in Ray
@@ -25,7 +25,7 @@ Per-policy handling of state that spans folds or tensors:
   after the map, as in the local fold (the search needs every tensor).
 
 Byte identity: tasks pin torch's intra-op thread count to the driver's
-(:attr:`~mergestream.fold_tensor.FoldSpec.torch_threads`), so reductions split the same way. A task
+(:attr:`~mergestream.engine.fold_tensor.FoldSpec.torch_threads`), so reductions split the same way. A task
 that fails raises on the driver (the fold then leaves no output and an unchanged state folder); a
 task whose worker process dies is retried by Ray (``max_retries``).
 """
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import MergestreamError
+from ...errors import MergestreamError
 
 #: executor kinds accepted by the CLI (``--executor``) and the daemon config (``executor.kind``)
 KINDS = ("local", "ray")
@@ -42,7 +42,7 @@ KINDS = ("local", "ray")
 
 def make_executor(kind: str = "local", address: str | None = None, **options: Any) -> Any:
     """The executor for ``kind``: None for ``local`` (the engine's own threads), a
-    :class:`~mergestream.executors.ray_cluster.RayExecutor` for ``ray``.
+    :class:`~mergestream.engine.executors.ray_cluster.RayExecutor` for ``ray``.
 
     Args:
         kind: ``local`` or ``ray``. address: the Ray cluster (``auto``, ``ray://host:10001``,

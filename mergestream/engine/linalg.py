@@ -1,6 +1,6 @@
 """Small linear-algebra helpers for weight-space statistics: top-k singular subspaces and cosines.
 
-Pure tensor math (no I/O), used by the streaming statistics of :mod:`mergestream.inspection` and
+Pure tensor math (no I/O), used by the streaming statistics of :mod:`mergestream.engine.inspection` and
 through them by the daemon's weight-space probe. SAFE-Merge keeps its own
 :func:`mergestream.policies.safe_merge.top_singular` (float64 exact SVD below 512 columns,
 :func:`randomized_svd` with 3 power iterations and 10 oversampling columns above): its U₀, V₀ are
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .policies.lowrank import randomized_svd
+from ..policies.lowrank import randomized_svd
 
 #: Exact SVD when the short side is at most :data:`EXACT_SVD_MAX_SIDE` and m·n·min(m, n) stays under
 #: this (e.g. 30522×384, MiniLM's word embeddings); randomized otherwise.

@@ -1,6 +1,6 @@
 """Recording writers: what a remote fold task writes, captured as data and replayed by the driver.
 
-A task runs :class:`~mergestream.fold_tensor.TensorFolder` with a :class:`Recorder`'s sinks; the
+A task runs :class:`~mergestream.engine.fold_tensor.TensorFolder` with a :class:`Recorder`'s sinks; the
 recorder keeps every write in call order (output tensors, state fields, residual reservations and
 byte ranges, statistics). :func:`replay` performs them on the driver's real writers in the same
 order, mapping the residual file's offsets, so the files are the bytes the local path writes.
@@ -28,7 +28,7 @@ class _Model:
 
 
 class _Append:
-    """The :class:`~mergestream.writers.AppendWriter` calls a residual writer makes, recorded with
+    """The :class:`~mergestream.io.writers.AppendWriter` calls a residual writer makes, recorded with
     offsets in a task-local data region."""
 
     def __init__(self, ops: list):
@@ -52,7 +52,7 @@ class _Append:
 
 
 class _Residuals(ResidualWriter):
-    """A :class:`~mergestream.residuals.ResidualWriter` whose file is a recording."""
+    """A :class:`~mergestream.engine.residuals.ResidualWriter` whose file is a recording."""
 
     def __init__(self, ops: list):  # no file: the base class's writer is replaced by a recording
         self._w = _Append(ops)

@@ -1,7 +1,7 @@
 """Apply weight patches ("version N−1 -> version N") exactly; standalone (stdlib + numpy only).
 
 This module is the device side of incremental updates. It imports nothing from torch and, from
-mergestream, only the standard-library :mod:`mergestream.st`, so the two can be copied onto a small
+mergestream, only the standard-library :mod:`mergestream.io.st`, so the two can be copied onto a small
 device next to ``numpy``. It parses
 safetensors headers itself and moves raw bytes, which makes every dtype work the same way
 (``BF16`` has no numpy dtype, ``F8_*`` neither): a patch is about exact bytes, so tensors are
@@ -10,7 +10,7 @@ compared and patched as unsigned integers of the same itemsize. Equality is ther
 
 Weights hash (:func:`weights_sha256`)
     The project's one content hash of a model (names, dtypes, shapes and bytes in name order;
-    independent of sharding, header layout and ``__metadata__``), defined in :mod:`mergestream.st`;
+    independent of sharding, header layout and ``__metadata__``), defined in :mod:`mergestream.io.st`;
     ``Checkpoint.sha256()`` computes the same value.
 
 Patch file (a safetensors file, format ``mergestream-patch/1`` or ``/2``)
@@ -23,7 +23,7 @@ Patch file (a safetensors file, format ``mergestream-patch/1`` or ``/2``)
       ``nnz·(index bytes + itemsize) < nbytes``;
     * format 2 adds ``sparse.mask/<name>`` (a changed-entry bitmask, paired with
       ``sparse.values/<name>``) and ``zstd/<payload>`` (any payload above, Zstandard-compressed;
-      metadata ``compressed`` gives its uncompressed dtype and shape): see :mod:`mergestream.patch_codec`.
+      metadata ``compressed`` gives its uncompressed dtype and shape): see :mod:`mergestream.patches.codec`.
 
     ``__metadata__`` (strings): ``patch_format``, ``source_version``, ``target_version``,
     ``source_sha256``, ``target_sha256`` (weights hashes above), ``policy``, ``payload_bytes``
@@ -58,8 +58,7 @@ from typing import Any
 
 import numpy as np
 
-from .patch_codec import MASK, decode_mask, decompress, logical_entries
-from .st import (
+from ..io.st import (
     DTYPE_SIZES,
     WEIGHTS_HASH_TAG,
     FormatError,
@@ -73,6 +72,7 @@ from .st import (
     read_into,
     u64le,
 )
+from .codec import MASK, decode_mask, decompress, logical_entries
 
 PATCH_FORMAT = "mergestream-patch/1"
 PATCH_FORMAT_2 = "mergestream-patch/2"
@@ -91,7 +91,7 @@ _CHUNK = 16 * 1024 * 1024
 
 #: A patch cannot be applied: corrupted, truncated, not a patch, made for another source model, or
 #: the result does not match the recorded target. Nothing is written when raised. It is the format
-#: error of :mod:`mergestream.st` (a malformed safetensors file is one of its causes).
+#: error of :mod:`mergestream.io.st` (a malformed safetensors file is one of its causes).
 PatchError = FormatError
 
 
@@ -502,7 +502,7 @@ def apply_patch(model_dir: str | os.PathLike, patch_path: str | os.PathLike,
 
     Args:
         model_dir: the source model (folder or ``.safetensors`` file), e.g. version N−1.
-        patch_path: a patch file written by :func:`mergestream.patch_build.build_patch`.
+        patch_path: a patch file written by :func:`mergestream.patches.build.build_patch`.
         out_dir: the output folder; must not exist.
 
     Returns:

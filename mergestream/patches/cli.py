@@ -3,7 +3,7 @@
 Both are plain :func:`click.command` objects, registered in the main ``mergestream`` group by
 ``cli.py``; they import their implementation lazily, so ``apply-patch`` never imports torch
 (it needs only :mod:`mergestream.patches`: numpy and the standard library). Run standalone with
-``python -m mergestream.cli_patch apply-patch ...``.
+``python -m mergestream.patches.cli apply-patch ...``.
 
 Errors the user can cause (a refused patch, an unreadable model, an existing output) exit with
 status 2 and one line ``error: ...`` on stderr; nothing is written.
@@ -43,7 +43,7 @@ def apply_patch_cmd(model_dir: str, patch: str, out: str, as_json: bool) -> None
     The patch's integrity and the model's weights hash are verified before anything is written,
     and the result's hash after; the output is staged and renamed into place.
     """
-    from .patches import PatchError, apply_patch
+    from . import PatchError, apply_patch
 
     try:
         rep = apply_patch(model_dir, patch, out)
@@ -72,8 +72,8 @@ def make_patch_cmd(from_dir: str, to_dir: str, out: str, source_version: str | N
     Format 2 (``--format 2``, optionally ``--zstd LEVEL``) needs a mergestream that reads patch
     format 2 on the applying side; format 1 is read by every version.
     """
-    from .errors import MergestreamError
-    from .patch_build import build_patch
+    from ..errors import MergestreamError
+    from .build import build_patch
 
     try:
         stats = build_patch(from_dir, to_dir, out,
@@ -97,7 +97,7 @@ patch_cli.add_command(make_patch_cmd)
 
 
 def main() -> None:
-    """Entry point of ``python -m mergestream.cli_patch``."""
+    """Entry point of ``python -m mergestream.patches.cli``."""
     patch_cli(prog_name="mergestream")
 
 

@@ -3,8 +3,8 @@ and the streaming weight-space statistics the daemon's weight-space probe report
 energy of a step in θ₀'s top singular subspaces, Gram matrices of contributions).
 
 Every statistic is one pass over the tensors, read one at a time (or in row chunks) through
-:class:`~mergestream.checkpoints.Checkpoint`, with float32 math per tensor and float64 sums across
-tensors; the linear algebra is :mod:`mergestream.linalg`.
+:class:`~mergestream.io.checkpoints.Checkpoint`, with float32 math per tensor and float64 sums across
+tensors; the linear algebra is :mod:`mergestream.engine.linalg`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from .checkpoints import (
+from ..errors import MergestreamError
+from ..io.checkpoints import (
     Checkpoint,
     TensorMeta,
     default_expert_id,
@@ -26,10 +27,9 @@ from .checkpoints import (
     open_checkpoint,
     validate_against_base,
 )
-from .errors import MergestreamError
-from .expert_readers import open_expert
+from ..io.expert_readers import open_expert
+from ..io.s3_checkpoint import is_s3_uri
 from .linalg import cosine_matrix, subspace_energy, top_singular_vectors
-from .s3_checkpoint import is_s3_uri
 from .stream import clear_scratch, float32_scratch, scratch
 
 
@@ -102,7 +102,7 @@ def drift_sums(base: Checkpoint, candidate: Checkpoint, previous: Checkpoint | N
         metas: the tensors to measure (θ₀'s float tensors); the caller has checked that
             ``candidate`` and ``previous`` hold them with θ₀'s shapes.
         k: rank of θ₀'s subspace per 2-D tensor (capped at min(m, n)).
-        svd: ``auto``, ``exact`` or ``lowrank`` (:func:`mergestream.linalg.top_singular_vectors`).
+        svd: ``auto``, ``exact`` or ``lowrank`` (:func:`mergestream.engine.linalg.top_singular_vectors`).
         device: where the float32 math runs.
         bases: a cache of (U₀ m×k, V₀ n×k) CPU float32 per tensor name for this θ₀, k and svd;
             filled for the tensors it lacks (None: nothing is cached).

@@ -1,7 +1,7 @@
 """The Ray executor: a fold's float tensors folded by Ray tasks, committed by the driver.
 
 The only module of the package that imports ``ray`` (the optional extra ``mergestream[ray]``);
-the design and the per-policy handling are in :mod:`mergestream.executors`.
+the design and the per-policy handling are in :mod:`mergestream.engine.executors`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from ..fold_tensor import FoldSinks, FoldSpec, MergeSpec, runs_on_driver
 from ..stream import clear_scratch
 from .recording import Recorder, replay
 
-log = logging.getLogger("mergestream.executors")
+log = logging.getLogger("mergestream.engine.executors")
 
 #: the default group of a task is at most this many bytes of θ₀ (results wait in Ray's object store)
 MAX_GROUP_BYTES = 1 << 30
@@ -46,7 +46,7 @@ def _fold_group(spec: FoldSpec | MergeSpec, names: list[str], with_residuals: bo
 
 
 class RayExecutor:
-    """Run a fold's per-tensor map on a Ray cluster (see :mod:`mergestream.executors`).
+    """Run a fold's per-tensor map on a Ray cluster (see :mod:`mergestream.engine.executors`).
 
     Args:
         address: the cluster (``auto``, ``ray://head:10001``, ``head:6379``); None: join the cluster
@@ -89,8 +89,8 @@ class RayExecutor:
 
     def fold(self, spec: FoldSpec, loader: Any, work: Callable[[str, Any], None], sinks: FoldSinks,
              progress: Any = None, hook: Callable[[str], None] | None = None) -> None:
-        """The map of :func:`mergestream.folding.fold` on Ray: :meth:`map` with the fold's
-        :class:`~mergestream.passes.ExpertLoader` (read here, in order: the content hash, the frozen
+        """The map of :func:`mergestream.engine.folding.fold` on Ray: :meth:`map` with the fold's
+        :class:`~mergestream.engine.passes.ExpertLoader` (read here, in order: the content hash, the frozen
         checks)."""
         self.map(spec, loader.names, loader.load, loader.release, loader.base, work, sinks, progress, hook)
 
@@ -100,7 +100,7 @@ class RayExecutor:
         """Map a pass's float tensors onto Ray tasks; the driver loads every tensor in order first.
 
         Args:
-            spec: the pass as data (:class:`~mergestream.fold_tensor.FoldSpec` or ``MergeSpec``).
+            spec: the pass as data (:class:`~mergestream.engine.fold_tensor.FoldSpec` or ``MergeSpec``).
             names: tensor names in canonical order. load: the local loader (``name -> item``, None
                 to skip; hashes and checks on the way); its float items are dropped (``release``)
                 and re-read by the task. base: θ₀ (tensor sizes).

@@ -40,8 +40,8 @@ model's size per fold: on the 1 GiB bf16 benchmark a later Task Arithmetic fold 
 3.1 s with no residual written at all (``bench/fold_speed.py``; README, "Unmerge").
 
 Fold paths: :meth:`ResidualWriter.add` for whole tensors (computed in chunks);
-:func:`mergestream.linear_fold.fold_linear` folds a :meth:`~mergestream.policies.Policy.linear_scale`
-policy in chunks of :data:`~mergestream.stream.CHUNK_ELEMENTS` elements, computing the exception
+:func:`mergestream.engine.linear_fold.fold_linear` folds a :meth:`~mergestream.policies.Policy.linear_scale`
+policy in chunks of :data:`~mergestream.engine.stream.CHUNK_ELEMENTS` elements, computing the exception
 list on the way (format 3).
 """
 
@@ -53,17 +53,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..errors import StateError
+from ..io.checkpoints import TensorMeta, is_float_dtype, open_checkpoint, open_safetensors_file
+from ..io.s3_checkpoint import is_s3_path
+from ..io.writers import AppendWriter, tensor_bytes
 from . import stream
-from .checkpoints import (
-    TensorMeta,
-    is_float_dtype,
-    open_checkpoint,
-    open_safetensors_file,
-)
-from .errors import StateError
-from .s3_checkpoint import is_s3_path
 from .stream import scratch
-from .writers import AppendWriter, tensor_bytes
 
 EXACT_INDEX = "::exact_index"
 EXACT_VALUE = "::exact_value"
@@ -242,10 +237,10 @@ class ResidualWriter:
     """Write one fold's residual file (see the module docstring); threads may add concurrently.
 
     Args:
-        path: the file (a ``*.tmp`` name from :meth:`mergestream.state.StateDir.new_file`).
+        path: the file (a ``*.tmp`` name from :meth:`mergestream.io.state.StateDir.new_file`).
         metas: θ₀'s tensors (to size the header). expert_id: stored in the metadata.
         recompute_lambda: λ of a linear fold (format 3: only exception lists, see the module
-            docstring; :func:`~mergestream.linear_fold.fold_linear` calls :meth:`linear_exceptions`), or None (format 2).
+            docstring; :func:`~mergestream.engine.linear_fold.fold_linear` calls :meth:`linear_exceptions`), or None (format 2).
         expert_path: format 3: the expert file Δ is recomputed from (for :func:`open_contribution`).
     """
 
@@ -351,7 +346,7 @@ class ResidualWriter:
     def add(self, name: str, out_s: torch.Tensor, prev_s: torch.Tensor) -> None:
         """Whole-tensor form: θ_t (``out_s``, CPU) and θ_{t−1} (``prev_s``) of tensor ``name``.
 
-        Works in chunks of :data:`~mergestream.stream.CHUNK_ELEMENTS` with per-thread buffers, so
+        Works in chunks of :data:`~mergestream.engine.stream.CHUNK_ELEMENTS` with per-thread buffers, so
         the residual costs no tensor-sized temporaries.
         """
         start = self._w.reserve(name, tuple(out_s.shape), out_s.dtype)

@@ -6,7 +6,7 @@ of θ₀ all run through :func:`run_stream`:
 1. **plan** (the caller): the output's tensors, shapes and dtypes are known from headers, so the
    output and state writers are created before any data is read;
 2. **load**, in one thread and in a fixed order (the canonical name order of
-   :func:`mergestream.st.name_order`): read the tensors a job needs, and do what must see the bytes
+   :func:`mergestream.io.st.name_order`): read the tensors a job needs, and do what must see the bytes
    in order (the expert's content hash, :class:`ExpertReader`);
 3. **map**: ``work(name, item)`` on ``threads`` worker threads (math and ``pwrite``; torch and the
    OS release the GIL), overlapping with the loading of the next tensors;
@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from . import st
-from .checkpoints import Checkpoint, TensorMeta
+from ..io import st
+from ..io.checkpoints import Checkpoint, TensorMeta
 
 #: elements per chunk of the element-wise fast paths (float32 temporaries of 4 MiB)
 CHUNK_ELEMENTS = 1 << 20
@@ -187,7 +187,7 @@ def run_stream(names: Iterable[str], load: Callable[[str], Any], work: Callable[
 class ExpertReader:
     """Read an expert's tensors in canonical name order and hash them on the way.
 
-    Every tensor of the expert is fed to :class:`mergestream.st.WeightsHash` as it is read, so the
+    Every tensor of the expert is fed to :class:`mergestream.io.st.WeightsHash` as it is read, so the
     content hash costs no extra pass; :meth:`sha256` is available once every tensor was read.
     For a checkpoint without raw entries (a legacy pickle) the hash is the file hash, read once
     up front. Counts the bytes it read (``bytes_read``) for the tests that check a single pass.
@@ -263,7 +263,7 @@ def scratch(slot: str, numel: int, dtype: torch.dtype, device: torch.device | st
     named by ``slot``: the same thread gets the same memory back for the same slot.
 
     Fresh tensor-sized buffers cost page faults and zeroing (the mmap threshold is pinned, see
-    :mod:`mergestream._alloc`), several times the arithmetic done in them: on this project's VM
+    :mod:`mergestream.engine._alloc`), several times the arithmetic done in them: on this project's VM
     a fresh float32 copy of an 11M-element tensor took 25 ms, a copy into reused memory 3 ms.
     The caller must be done with a slot's contents before its thread asks for the slot again,
     and must not hand the buffer to anything that outlives the job (copy it instead).

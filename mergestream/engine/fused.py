@@ -2,10 +2,10 @@
 
 A Task Arithmetic fold computes, per element, d = rd₃₂(rd₃₂(e − θ₀)·λ) and θ_t = rd₁₆(rd₃₂(θ_{t−1}
 + d)) (Ilharco et al. 2023, "Editing models with task arithmetic", eq. 1, with the roundings of
-:func:`mergestream.residuals.task_vector_chunk` and :func:`mergestream.linear_fold.fold_linear`), and a
+:func:`mergestream.engine.residuals.task_vector_chunk` and :func:`mergestream.engine.linear_fold.fold_linear`), and a
 later fold also the exact-unmerge data of format 3: c = rd₁₆(rd₃₂(θ_t − d)), a tie bit where c is
 not θ_{t−1}, and a miss where θ_{t−1} is not c's neighbour toward θ_t − d either
-(:meth:`mergestream.residuals.ResidualWriter.linear_exceptions`). With torch each step is a pass
+(:meth:`mergestream.engine.residuals.ResidualWriter.linear_exceptions`). With torch each step is a pass
 over float32 chunk buffers: about 16 passes, 12 ms of one core per 1M entries of a later fold on
 the 2 GHz AVX2 EPYC of bench/results/fold_speed_ta_epyc.md, more than the I/O and hashing of the
 same bytes. Here the same float32 operations run in the same order inside one vectorised loop
@@ -18,7 +18,7 @@ ties to even, as torch does: (u + 0x7FFF + bit 16 of u) >> 16 of the pattern u. 
 differ from torch's, which never matters: a non-finite result stops the fold.
 
 Only little-endian CPUs with numba, and only folds that pay for loading it
-(:func:`mergestream.linear_fold.compiled_loop_pays`); everything else (CUDA, fp16, fp32, smaller
+(:func:`mergestream.engine.linear_fold.compiled_loop_pays`); everything else (CUDA, fp16, fp32, smaller
 folds, numba missing, or :data:`ENABLED` off) keeps the torch path, which stays the reference.
 """
 
@@ -107,7 +107,7 @@ def _code(typingctx, pu, w):
     """A later fold's per-entry code (uint8) from θ_{t−1}'s bf16 pattern ``pu`` (uint16) and the
     float32 ``w`` = θ_t − d: :data:`TIE` where w rounds to another bf16 than θ_{t−1}, and with it
     :data:`MISS` where θ_{t−1} is not that one's neighbour toward w either, that is where
-    pu·2¹⁶ − w ∉ [−2¹⁶, 2¹⁶) (:meth:`mergestream.residuals.ResidualWriter.linear_exceptions`)."""
+    pu·2¹⁶ − w ∉ [−2¹⁶, 2¹⁶) (:meth:`mergestream.engine.residuals.ResidualWriter.linear_exceptions`)."""
     def codegen(context, builder, sig, args):
         p = builder.zext(args[0], _I32)
         u = builder.bitcast(args[1], _I32)

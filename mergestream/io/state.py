@@ -6,7 +6,7 @@ Layout of a state folder::
     state-<gen>.safetensors           per-tensor policy state, keys "<tensor>::<field>" (float32/int; MDM-OC's
                                       unit directions in bfloat16 for 16-bit checkpoints)
     contrib/<id>-<gen>.safetensors    each fold's applied residual (for subtract-unmerge; see
-                                      mergestream.residuals)
+                                      mergestream.engine.residuals)
 
 Files are written under new names and the manifest is replaced atomically last (write to a
 temporary file, fsync, ``os.replace``), so a crash leaves the previous manifest and files intact;
@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
+from ..errors import StateError
 from .checkpoints import Checkpoint, open_checkpoint
 from .st import fsync_dir
-from .errors import StateError
 
 MANIFEST = "manifest.json"
 SEP = "::"
@@ -39,9 +39,9 @@ class FoldRecord:
 
     Attributes:
         sha256: the expert's content hash; ``sha256_kind`` says which definition: ``"weights"``
-            (:func:`mergestream.expert_readers.content_sha256`, the one definition) or ``"files"``
+            (:func:`mergestream.io.expert_readers.content_sha256`, the one definition) or ``"files"``
             (states written before it: the weight files' bytes).
-        contribution: the residual file subtract-unmerge uses (:mod:`mergestream.residuals`).
+        contribution: the residual file subtract-unmerge uses (:mod:`mergestream.engine.residuals`).
         exact_restore: the current backbone is still exactly this fold's output, so subtracting
             it restores the previous backbone byte for byte (cleared when an earlier fold is
             subtracted).

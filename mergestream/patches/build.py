@@ -28,9 +28,9 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from .errors import MergestreamError, OutputExistsError
-from .patch_codec import MASK, ZSTD, compress, encode_mask, mask_bytes
-from .patches import (
+from ..errors import MergestreamError, OutputExistsError
+from ..io.st import WEIGHTS_HASH_TAG, TensorEntry, encode_header, u64le
+from . import (
     DENSE,
     PATCH_FORMAT,
     PATCH_FORMAT_2,
@@ -40,7 +40,7 @@ from .patches import (
     Weights,
     canonical_header,
 )
-from .st import WEIGHTS_HASH_TAG, TensorEntry, encode_header, u64le
+from .codec import MASK, ZSTD, compress, encode_mask, mask_bytes
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ def build_patch(src_model_dir: str | os.PathLike, dst_model_dir: str | os.PathLi
         policy: recorded in the metadata; empty: the target's ``mergestream.policy`` metadata, if any.
         overwrite: replace an existing ``out_file`` (atomically) instead of refusing.
         patch_format: 1 (index lists; every agent applies it) or 2 (adds bitmasks and zstd;
-            :mod:`mergestream.patch_codec`).
+            :mod:`mergestream.patches.codec`).
         zstd_level: format 2 only: compress each payload with Zstandard at this level (1-22)
             when that makes it smaller; None: no compression.
 

@@ -26,9 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import residuals
-from ._alloc import pin_mmap_threshold
-from .checkpoints import (
+from ..errors import CorruptCheckpointError, MergestreamError, OutputExistsError, PolicyError, StateError
+from ..io.checkpoints import (
     DEFAULT_SHARD_BYTES,
     Checkpoint,
     default_expert_id,
@@ -37,15 +36,14 @@ from .checkpoints import (
     open_safetensors_file,
     validate_against_base,
 )
+from ..io.expert_readers import DenseExpert, open_expert
+from ..io.s3_checkpoint import is_s3_uri
+from ..io.state import SEP, FoldRecord, Manifest, StateDir, final_name
+from ..io.writers import AppendWriter, ModelWriter, staged_output
+from ..policies import Policy, cmaes_coefficients, make_policy, stability_penalty
+from . import residuals
+from ._alloc import pin_mmap_threshold
 from .coefficients import LayerObjective, learn_layer_coefficients, write_learned_state
-from .errors import (
-    CorruptCheckpointError,
-    MergestreamError,
-    OutputExistsError,
-    PolicyError,
-    StateError,
-)
-from .expert_readers import DenseExpert, open_expert
 from .fold_tensor import FoldSinks, FoldSpec, MergeSpec, TensorFolder, TensorMerger
 from .inspection import resolve_device
 from .passes import (
@@ -64,16 +62,7 @@ from .passes import (
     worker_threads,
     write_with_aliases,
 )
-from .policies import (
-    Policy,
-    cmaes_coefficients,
-    make_policy,
-    stability_penalty,
-)
-from .s3_checkpoint import is_s3_uri
-from .state import SEP, FoldRecord, Manifest, StateDir, final_name
 from .stream import Progress, run_stream, shared_cores
-from .writers import AppendWriter, ModelWriter, staged_output
 
 log = logging.getLogger("mergestream.engine")
 
@@ -95,20 +84,20 @@ def fold(base: str | os.PathLike, backbone: str | os.PathLike | None, expert: st
         policy: a registered name (with ``params``) or a :class:`Policy`.
         state_dir: the policy state folder (created at the first fold, updated atomically).
         out: output folder (must not exist unless ``overwrite``); staged and renamed into place.
-        expert_id: defaults to :func:`~mergestream.checkpoints.default_expert_id`.
+        expert_id: defaults to :func:`~mergestream.io.checkpoints.default_expert_id`.
         device: where the math runs (``cpu`` or ``cuda[:i]``); tensors are streamed from CPU.
-        threads: worker threads (None or 0: :func:`~mergestream.stream.default_threads`); peak
+        threads: worker threads (None or 0: :func:`~mergestream.engine.stream.default_threads`); peak
             memory grows by a few tensors per thread.
         max_shard_bytes: output shard cap (bytes).
         objective: for a policy that searches coefficients: ``mdm_oc`` with ``coefficients=cmaes``
             (an :data:`Objective`) or ``coefficients=adamerging`` (a differentiable
-            :data:`~mergestream.coefficients.LayerObjective`).
+            :data:`~mergestream.engine.coefficients.LayerObjective`).
         progress: show a progress bar on a terminal.
         expect_sha256: the content hash the caller recorded (the daemon's ledger); a fold whose
             expert hashes differently (changed since) is refused before anything is committed.
         tensor_hook: called with each tensor name before it is folded (tests, stop requests); with
             a remote executor, on the driver as each tensor is read.
-        executor: None (local threads) or an executor of :mod:`mergestream.executors` that maps
+        executor: None (local threads) or an executor of :mod:`mergestream.engine.executors` that maps
             the float tensors elsewhere (e.g. Ray); the output and the state are the same bytes.
 
     Returns:
@@ -296,7 +285,7 @@ def _state_reader(path: Path) -> Callable[[str], dict[str, torch.Tensor]]:
 
 
 def _tensor_reader(exp, base: Checkpoint) -> Callable[[str], torch.Tensor]:
-    """``name -> tensor`` of an expert for :func:`~mergestream.passes.kept_ties`: a dense expert's
+    """``name -> tensor`` of an expert for :func:`~mergestream.engine.passes.kept_ties`: a dense expert's
     stored tensor, a LoRA adapter's task vector (θ₀'s tensor is the same for both names of a tie)."""
     if isinstance(exp, DenseExpert):
         return exp.get
@@ -364,7 +353,7 @@ def merge(base: str | os.PathLike, experts: list[str | os.PathLike], policy: str
     """Offline merge of K experts at once: θ = θ₀ + policy.merge_tensor(θ₀, [τ₁..τ_K]).
 
     Each expert is read once (hashed on the way; twice with a remote ``executor``, see
-    :mod:`mergestream.executors`). Memory: K + 2 tensors per worker. Raises the same errors as
+    :mod:`mergestream.engine.executors`). Memory: K + 2 tensors per worker. Raises the same errors as
     :func:`fold`.
     """
     pin_mmap_threshold()

@@ -4,7 +4,7 @@ vectors τ = θ − θ₀, and the one content hash that identifies an expert.
 :func:`open_expert` opens either against θ₀; :class:`LoraExpert` presents an adapter as dense
 deltas τ = scaling · B @ A per target weight (Hu et al. 2021, LoRA, eq. 3; rsLoRA scaling from
 Kalajdzievski 2023). :func:`content_sha256` is the ledger's, the manifest's and the output
-metadata's hash of an expert. Dense tensors are read through :mod:`mergestream.checkpoints`.
+metadata's hash of an expert. Dense tensors are read through :mod:`mergestream.io.checkpoints`.
 """
 
 from __future__ import annotations
@@ -19,17 +19,7 @@ from typing import Protocol
 
 import torch
 
-from .checkpoints import (
-    Checkpoint,
-    TensorMeta,
-    check_not_quantized,
-    count_non_finite,
-    file_sha256,
-    is_embedding_name,
-    open_checkpoint,
-    open_safetensors_file,
-)
-from .errors import (
+from ..errors import (
     CorruptCheckpointError,
     ExtraKeyError,
     MissingShardError,
@@ -40,6 +30,16 @@ from .errors import (
     ShapeMismatchError,
     UnsupportedCheckpointError,
     VocabularyGrownError,
+)
+from .checkpoints import (
+    Checkpoint,
+    TensorMeta,
+    check_not_quantized,
+    count_non_finite,
+    file_sha256,
+    is_embedding_name,
+    open_checkpoint,
+    open_safetensors_file,
 )
 from .s3_checkpoint import is_s3_path
 
@@ -357,8 +357,8 @@ def open_expert(path: str | os.PathLike, base: Checkpoint) -> DenseExpert | Lora
     dense checkpoint may be in object storage (``s3://`` or a ``*.s3ref.json`` reference).
 
     A legacy pickle's wrapper prefix (``module.``, ``model.``) is stripped when θ₀'s names lack it
-    (:func:`~mergestream.checkpoints.open_checkpoint`). Raises what :class:`LoraExpert` and
-    :func:`~mergestream.checkpoints.open_checkpoint` raise.
+    (:func:`~mergestream.io.checkpoints.open_checkpoint`). Raises what :class:`LoraExpert` and
+    :func:`~mergestream.io.checkpoints.open_checkpoint` raise.
     """
     if is_lora_adapter(path):
         return LoraExpert(Path(path), base.keys(), base.meta)
@@ -369,7 +369,7 @@ def content_sha256(path: str | os.PathLike) -> str:
     """The one content hash of an expert (64 hex characters), whatever its form.
 
     - a dense safetensors checkpoint (file, folder, sharded): the weights hash of
-      :mod:`mergestream.st` (independent of file names, sharding, header layout and metadata);
+      :mod:`mergestream.io.st` (independent of file names, sharding, header layout and metadata);
     - a PEFT LoRA adapter folder: sha256 of a tag, ``adapter_config.json``'s bytes and the
       adapter weights' content hash;
     - anything else (legacy pickle, a file that does not parse): sha256 of a tag and the bytes of
@@ -383,7 +383,7 @@ def content_sha256(path: str | os.PathLike) -> str:
 
     Raises:
         ObjectGoneError, ObjectChangedError: an expert in object storage was deleted or replaced
-            (and the other errors of :func:`~mergestream.checkpoints.open_checkpoint` for a URI).
+            (and the other errors of :func:`~mergestream.io.checkpoints.open_checkpoint` for a URI).
     """
     if is_s3_path(path):
         try:

@@ -1,8 +1,8 @@
 """A :meth:`~mergestream.policies.Policy.linear_scale` policy's fold and its subtract-unmerge, in
-chunks of :data:`~mergestream.stream.CHUNK_ELEMENTS` elements with per-thread buffers (format 3 of
-:mod:`mergestream.residuals`: Δ = λ·(e − θ₀) recomputed, the tie bits and misses written on the way).
+chunks of :data:`~mergestream.engine.stream.CHUNK_ELEMENTS` elements with per-thread buffers (format 3 of
+:mod:`mergestream.engine.residuals`: Δ = λ·(e − θ₀) recomputed, the tie bits and misses written on the way).
 
-A bf16 chunk on the CPU is folded by one compiled loop (:mod:`mergestream.fused`) when the fold is
+A bf16 chunk on the CPU is folded by one compiled loop (:mod:`mergestream.engine.fused`) when the fold is
 large enough to pay for loading it (:func:`compiled_loop_pays`), every other one in torch; both give
 the same bits (tests/test_fused.py).
 """
@@ -14,9 +14,9 @@ import sys
 import numpy as np
 import torch
 
+from ..errors import NonFiniteError
+from ..io.checkpoints import Checkpoint, check_finite_tensor, is_float_dtype, non_finite_error
 from . import stream
-from .checkpoints import Checkpoint, check_finite_tensor, is_float_dtype, non_finite_error
-from .errors import NonFiniteError
 from .residuals import ResidualReader, ResidualWriter, math_dtype, recover_previous, task_vector_chunk
 from .stream import scratch
 
@@ -39,12 +39,12 @@ COMPILED_MIN_ENTRIES_LATER = 1 << 27
 
 
 def compiled_loop_pays(entries: int, dev: torch.device, later: bool = False) -> bool:
-    """Whether a fold of ``entries`` bf16 entries on ``dev`` should use :mod:`mergestream.fused`:
+    """Whether a fold of ``entries`` bf16 entries on ``dev`` should use :mod:`mergestream.engine.fused`:
     on the CPU, when it is loaded already or the fold is at least :data:`COMPILED_MIN_ENTRIES`
     (:data:`COMPILED_MIN_ENTRIES_LATER` for a ``later`` fold, θ_{t−1} ≠ θ₀). Load it (on the
     calling thread) with :func:`load_compiled` before the workers start."""
     least = COMPILED_MIN_ENTRIES_LATER if later else COMPILED_MIN_ENTRIES
-    return dev.type == "cpu" and ("mergestream.fused" in sys.modules or entries >= least)
+    return dev.type == "cpu" and ("mergestream.engine.fused" in sys.modules or entries >= least)
 
 
 def fold_linear(name: str, e: torch.Tensor, lam: float, base: Checkpoint, backbone: Checkpoint | None,
@@ -55,7 +55,7 @@ def fold_linear(name: str, e: torch.Tensor, lam: float, base: Checkpoint, backbo
     Same arithmetic as the whole-tensor path (τ = e − θ₀ in float32, ×λ, + θ_{t−1}, cast), so
     the result is bit-identical to it; temporaries are a few reused float32 chunk buffers per
     thread instead of tensor-sized allocations. bf16 on the CPU runs each chunk, exceptions
-    included, as one compiled loop when ``compiled`` (:mod:`mergestream.fused`, the same bits, a
+    included, as one compiled loop when ``compiled`` (:mod:`mergestream.engine.fused`, the same bits, a
     third of the CPU; see :func:`compiled_loop_pays`).
 
     Args:
@@ -64,7 +64,7 @@ def fold_linear(name: str, e: torch.Tensor, lam: float, base: Checkpoint, backbo
         contrib: where the tie bits and exception list go (format 3: ``ResidualWriter(...,
             recompute_lambda=λ)``; None: nothing stored).
         where: the expert's description for error messages.
-        compiled: use :mod:`mergestream.fused` where it applies (bf16 on the CPU).
+        compiled: use :mod:`mergestream.engine.fused` where it applies (bf16 on the CPU).
 
     Raises:
         NonFiniteError: the expert holds NaN/Inf, or a result overflows the storage dtype.
@@ -103,7 +103,7 @@ def fold_linear(name: str, e: torch.Tensor, lam: float, base: Checkpoint, backbo
 
 
 def load_compiled(dtype: torch.dtype, dev: torch.device):
-    """:mod:`mergestream.fused` when its compiled loop serves ``dtype`` on ``dev``, else None."""
+    """:mod:`mergestream.engine.fused` when its compiled loop serves ``dtype`` on ``dev``, else None."""
     if dtype != torch.bfloat16 or dev.type != "cpu":
         return None
     try:
@@ -121,7 +121,7 @@ def _overflow(name: str, dtype: torch.dtype) -> NonFiniteError:
 def _fold_chunk_fused(fused, name: str, ec: torch.Tensor, b_raw: torch.Tensor, prev_raw: torch.Tensor | None,
                       lam: float, contrib: ResidualWriter | None, ties_start: int, s: int, where: str
                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """:func:`fold_linear`'s chunk with :func:`mergestream.fused.fold_chunk` (bit-identical to
+    """:func:`fold_linear`'s chunk with :func:`mergestream.engine.fused.fold_chunk` (bit-identical to
     :func:`_fold_chunk_torch`); returns the chunk's misses like it."""
     codes = None if prev_raw is None else scratch("codes", ec.numel(), torch.uint8).numpy()
     bad, bad_e = fused.fold_chunk(ec, b_raw, prev_raw, lam, codes)

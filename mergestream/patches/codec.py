@@ -1,6 +1,6 @@
 """Payload encodings of patch format 2: changed-entry bitmasks and optional zstd (numpy only).
 
-Used by both sides of :mod:`mergestream.patches` (apply) and :mod:`mergestream.patch_build`
+Used by both sides of :mod:`mergestream.patches` (apply) and :mod:`mergestream.patches.build`
 (build); ``zstandard`` is imported only when a payload is compressed.
 
 Bitmask (``sparse.mask/<name>``, ``U8``, shape ``[ceil(numel / 8)]``)
@@ -23,7 +23,7 @@ import json
 
 import numpy as np
 
-from .st import DTYPE_SIZES, FormatError, Header, TensorEntry
+from ..io.st import DTYPE_SIZES, FormatError, Header, TensorEntry
 
 MASK = "sparse.mask/"
 ZSTD = "zstd/"

@@ -5,13 +5,13 @@ Readers
     model folder (single file or sharded with ``model.safetensors.index.json``), or a legacy
     ``.bin``/``.pt``/``.pth``/``.ckpt`` file (only through ``torch.load(weights_only=True, mmap=True)``;
     training-checkpoint containers and wrapper prefixes are unwrapped by the rules of
-    :mod:`mergestream.input_formats`). Safetensors headers are parsed by :mod:`mergestream.st` (a
+    :mod:`mergestream.io.input_formats`). Safetensors headers are parsed by :mod:`mergestream.io.st` (a
     truncated file is refused at open) and tensors, legacy ones included, are read with positional
     reads into memory the caller owns (or, for checkpoints in object storage, ranged GETs:
-    :mod:`mergestream.s3_checkpoint`), so a tensor that has been used and dropped leaves no
+    :mod:`mergestream.io.s3_checkpoint`), so a tensor that has been used and dropped leaves no
     resident pages behind: peak RSS stays at a few tensors whatever the model size.
     Experts (a dense checkpoint or a PEFT LoRA adapter, both seen as task vectors) are opened by
-    :mod:`mergestream.expert_readers`, which also holds :func:`~mergestream.expert_readers.content_sha256`.
+    :mod:`mergestream.io.expert_readers`, which also holds :func:`~mergestream.io.expert_readers.content_sha256`.
 
 Validation
     :func:`validate_against_base` checks keys, shapes and dtypes from the headers before any heavy
@@ -19,7 +19,7 @@ Validation
     (``deep``) frozen integer tensors and finiteness, raising the specific errors of
     :mod:`mergestream.errors`. The engine does the deep checks on its own single pass instead.
 
-Writers live in :mod:`mergestream.writers`.
+Writers live in :mod:`mergestream.io.writers`.
 """
 
 from __future__ import annotations
@@ -37,8 +37,7 @@ from typing import Any
 
 import torch
 
-from . import s3_checkpoint, st
-from .errors import (
+from ..errors import (
     CorruptCheckpointError,
     DtypeMismatchError,
     ExtraKeyError,
@@ -51,6 +50,7 @@ from .errors import (
     UnsupportedCheckpointError,
     VocabularyGrownError,
 )
+from . import s3_checkpoint, st
 from .input_formats import (
     QUANTIZED_ST_CODES,
     check_not_quantized,
@@ -274,7 +274,7 @@ class Checkpoint:
         return self._entries[name]
 
     def sha256(self) -> str:
-        """The content hash (cached): the weights hash of :mod:`mergestream.st` for safetensors
+        """The content hash (cached): the weights hash of :mod:`mergestream.io.st` for safetensors
         checkpoints; for a legacy pickle, sha256 of its file bytes (see :func:`content_sha256`)."""
         if self._sha256 is None:
             if self._entries is None:
@@ -293,7 +293,7 @@ class Checkpoint:
         return self._sha256
 
     def aux_files(self) -> list[Path]:
-        """Non-weight files of a model folder, subfolders included (:func:`mergestream.st.aux_files`);
+        """Non-weight files of a model folder, subfolders included (:func:`mergestream.io.st.aux_files`);
         none for a single file."""
         return [self.path / rel for rel in st.aux_files(self.path)]
 
@@ -411,10 +411,10 @@ def open_checkpoint(path: str | os.PathLike, expect_keys: list[str] | None = Non
             or a legacy ``.bin``/``.pt``/``.pth``/``.ckpt`` state dict (loaded with
             ``weights_only=True``), possibly inside a training checkpoint's container (logged);
             or an ``s3://`` URI or ``*.s3ref.json`` reference, read in place with ranged GETs
-            (:mod:`mergestream.s3_checkpoint`, which adds its own errors).
+            (:mod:`mergestream.io.s3_checkpoint`, which adds its own errors).
         expect_keys: the base's tensor names, when opening an expert: a wrapper prefix on every
             name of a legacy state dict is stripped when the base's names lack it (logged;
-            :func:`mergestream.input_formats.wrapper_prefix`).
+            :func:`mergestream.io.input_formats.wrapper_prefix`).
 
     Returns:
         A :class:`Checkpoint`; no tensor data has been read.
@@ -483,12 +483,12 @@ def validate_against_base(base: Checkpoint, other: Any, *,
     """Check that ``other`` fits θ₀ before any heavy work.
 
     ``other`` is a :class:`Checkpoint` (a backbone), a dense expert
-    (:class:`~mergestream.expert_readers.DenseExpert`) or a LoRA adapter, which checks its own
-    factors (:meth:`~mergestream.expert_readers.LoraExpert.validate_against`).
+    (:class:`~mergestream.io.expert_readers.DenseExpert`) or a LoRA adapter, which checks its own
+    factors (:meth:`~mergestream.io.expert_readers.LoraExpert.validate_against`).
 
-    Order of checks: neither side quantized (:func:`~mergestream.input_formats.check_not_quantized`),
+    Order of checks: neither side quantized (:func:`~mergestream.io.input_formats.check_not_quantized`),
     key sets (an expert's extra tensors allowed only when they are known recomputed buffers,
-    :func:`~mergestream.input_formats.dropped_buffers`),
+    :func:`~mergestream.io.input_formats.dropped_buffers`),
     then per tensor shape, dtype (headers only); then, with ``deep``, a streaming pass that compares
     integer/bool tensors with θ₀ bit for bit and (``check_finite``) rejects NaN/±Inf. The engine
     passes ``deep=False`` and does those checks on its own pass (:func:`check_frozen`,
