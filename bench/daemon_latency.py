@@ -40,7 +40,7 @@ from typing import Any
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import fold_speed  # noqa: E402  (bench/ is not a package: the model generator lives there)
+import common  # noqa: E402  (bench/ is not a package: the model generator lives there)
 
 REPO = Path(__file__).resolve().parent.parent
 EXE = REPO / ".venv" / "bin" / "mergestream"
@@ -137,7 +137,7 @@ def _spread(xs: list[float]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size", default="1GB", choices=sorted(fold_speed.SIZES))
+    ap.add_argument("--size", default="1GB", choices=sorted(common.SIZES))
     ap.add_argument("--repeat", type=int, default=3, help="rounds (each: one CLI fold, one daemon fold)")
     ap.add_argument("--lambda", dest="lam", type=float, default=0.3)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/mergestream-bench"))
@@ -145,10 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per fold before giving up")
     args = ap.parse_args(argv)
 
-    base, expert, spec = fold_speed.ensure_models(args.workdir, args.size, "bfloat16")
+    base, expert, spec = common.ensure_models(args.workdir, args.size, "bfloat16")
     scratch = args.workdir / "daemon-latency"
     scratch.mkdir(parents=True, exist_ok=True)
-    fold_speed.warm(fold_speed.weight_files(base) + fold_speed.weight_files(expert))
+    common.warm(common.weight_files(base) + common.weight_files(expert))
     cli, daemon, startup = [], [], []
     for i in range(args.repeat):
         cli.append(cli_fold(base, expert, scratch, args.lam))
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     doc: dict[str, Any] = {
         "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": "bench/daemon_latency.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "size": args.size, "model_bytes": sum(f.stat().st_size for f in fold_speed.weight_files(base)),
+        "size": args.size, "model_bytes": sum(f.stat().st_size for f in common.weight_files(base)),
         "rounds": args.repeat, "cpus": os.cpu_count(), "load_avg_at_end": os.getloadavg(),
         "cli_fold_s": _spread(cli), "daemon_ready_to_published_s": _spread(daemon),
         "daemon_startup_s": _spread(startup), "ratio_median": ratio, "samples": {"cli": cli, "daemon": daemon},
