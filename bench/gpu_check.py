@@ -96,7 +96,7 @@ def main() -> int:
                 out = root / f"{policy}-{dev}"
                 t0 = time.perf_counter()
                 engine.fold(base, None, expert, policy, POLICIES[policy], state_dir=root / f"s-{policy}-{dev}",
-                            out=out, device=dev)
+                            out=out, options=engine.ExecOptions(device=dev))
                 if dev == "cuda":
                     torch.cuda.synchronize()
                 row[f"{dev}_seconds"] = round(time.perf_counter() - t0, 2)

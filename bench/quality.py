@@ -88,7 +88,7 @@ from mergestream import text as T  # noqa: E402
 from mergestream.config import ObjectiveConfig  # noqa: E402
 from mergestream.daemon.objective import ProbeObjective  # noqa: E402
 from mergestream.daemon.probes import SentenceSimilarityProbe, TaskProbeSpec  # noqa: E402
-from mergestream.engine import fold, unmerge  # noqa: E402
+from mergestream.engine import ExecOptions, fold, unmerge  # noqa: E402
 from mergestream.engine.coefficients import EntropyObjective  # noqa: E402
 from mergestream.patches.build import build_patch  # noqa: E402
 from mergestream.ri import RIParams, adapt_expert, load_feature_model  # noqa: E402
@@ -202,7 +202,7 @@ def fold_stream(order: list[str], experts: dict[str, Path], policy: str, params:
         t0 = time.perf_counter()
         objective = objective_for(order[:t]) if objective_for is not None else None
         frep = fold(base, prev, src, policy, params, state_dir=state, out=out, expert_id=task,
-                    objective=objective, threads=threads)
+                    objective=objective, options=ExecOptions(threads=threads))
         fold_s.append(time.perf_counter() - t0)
         if patches and prev is not None:
             ratios = [build_patch(prev, out, run / "patch.safetensors", source_version=str(t - 1),

@@ -30,7 +30,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import fold_speed  # noqa: E402  (the --rev snapshot: one home)
+import common  # noqa: E402  (the --rev snapshot: one home)
 import quality  # noqa: E402  (rows, evaluator, H: one home)
 from quality_report import hmean  # noqa: E402
 
@@ -41,12 +41,17 @@ CHILD = r"""
 import json, shutil, sys, time
 from mergestream.engine import fold
 job = json.loads(sys.argv[1])
+try:  # the execution options as one record; a --rev snapshot from before them takes threads=
+    from mergestream.engine import ExecOptions
+    opts = {"options": ExecOptions(threads=job["threads"])}
+except ImportError:
+    opts = {"threads": job["threads"]}
 prev, secs = None, []
 for i, (task, path) in enumerate(job["experts"], 1):
     out = f"{job['work']}/v{i}"
     t0 = time.perf_counter()
     fold(job["base"], prev, path, job["policy"], job["params"], state_dir=f"{job['work']}/state", out=out,
-         expert_id=task, threads=job["threads"])
+         expert_id=task, **opts)
     secs.append(time.perf_counter() - t0)
     if prev is not None:
         shutil.rmtree(prev)
@@ -89,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     wanted = [p for p in args.policies.split(",") if p]
     if missing := [p for p in wanted if p not in rows]:
         ap.error(f"unknown rows: {', '.join(missing)}")
-    env_rev, info = fold_speed.mergestream_source(argparse.Namespace(rev=args.rev, workdir=args.workdir))
+    env_rev, info = common.mergestream_source(argparse.Namespace(rev=args.rev, workdir=args.workdir))
 
     ev = quality.Evaluator.on_test_rows(tasks, experts, data, args.eval_examples, args.sts_pairs)
 

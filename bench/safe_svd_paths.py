@@ -39,7 +39,7 @@ import quality  # noqa: E402  (evaluator, results folder: one home)
 from quality_report import hmean  # noqa: E402
 
 from mergestream import experts as X  # noqa: E402
-from mergestream.engine import fold  # noqa: E402
+from mergestream.engine import ExecOptions, fold  # noqa: E402
 from mergestream.policies import safe_merge as SM  # noqa: E402
 from mergestream.policies.masks import magnitude_mask  # noqa: E402
 
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                         s = time.perf_counter()
                         fold(X.base_model_path(), prev, experts[t], "safe_merge",
                              {"lambda": args.lam, "svd_products": products}, state_dir=f"{work}/state",
-                             out=f"{work}/v{i}", expert_id=t, threads=args.threads)
+                             out=f"{work}/v{i}", expert_id=t, options=ExecOptions(threads=args.threads))
                         secs.append(time.perf_counter() - s)
                         prev = f"{work}/v{i}"
                 finally:

@@ -12,11 +12,15 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from .errors import MergestreamError
+from .patches.codec import FORMAT_NUMBERS
+
+if TYPE_CHECKING:  # the engine (torch) loads only when a verb runs
+    from .engine import ExecOptions
 
 EXIT_BAD_INPUT = 2
 
@@ -92,13 +96,21 @@ def _engine_options(fn):
     return fn
 
 
-def _executor(kind: str, address: str | None):
-    """The engine's executor for ``--executor`` / ``--ray-address`` (None: local threads)."""
-    if address and kind != "ray":
+def _exec_options(device: str, threads: int, max_shard_bytes: int, executor: str, ray_address: str | None,
+                  progress: bool) -> ExecOptions:
+    """The engine's :class:`~mergestream.engine.options.ExecOptions` from the flags of
+    :func:`_engine_options` (``progress``: a bar unless ``--quiet`` or ``--json``).
+
+    Raises:
+        MergestreamError: ``--ray-address`` without ``--executor ray``, or ``ray`` not installed.
+    """
+    if ray_address and executor != "ray":
         raise MergestreamError("--ray-address needs --executor ray")
+    from .engine import ExecOptions
     from .engine.executors import make_executor
 
-    return make_executor(kind, address)
+    return ExecOptions(device=device, threads=threads, max_shard_bytes=max_shard_bytes,
+                       executor=make_executor(executor, ray_address), progress=progress)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -131,9 +143,9 @@ def fold_cmd(base, backbone, expert, policy, sets, state_dir, out, expert_id, ob
 
     obj = resolve_callable(objective, what="--objective") if objective else None
     params = _params_from_state(state_dir, policy, _parse_sets(sets))
-    rep = fold(base, backbone, expert, policy, params, state_dir=state_dir, out=out,
-               expert_id=expert_id, device=device, threads=threads, max_shard_bytes=max_shard_bytes,
-               objective=obj, progress=not quiet and not as_json, executor=_executor(executor, ray_address))
+    options = _exec_options(device, threads, max_shard_bytes, executor, ray_address, not quiet and not as_json)
+    rep = fold(base, backbone, expert, policy, params, state_dir=state_dir, out=out, expert_id=expert_id,
+               objective=obj, options=options)
     _report(rep, as_json)
 
 
@@ -177,9 +189,9 @@ def merge_cmd(base, policy, sets, out, as_json, experts, device, threads, quiet,
     """Merge K experts at once (offline)."""
     from .engine import merge
 
-    rep = merge(base, list(experts), policy, _parse_sets(sets), out=out, device=device, threads=threads,
-                max_shard_bytes=max_shard_bytes, progress=not quiet and not as_json,
-                executor=_executor(executor, ray_address))
+    params = _parse_sets(sets)
+    options = _exec_options(device, threads, max_shard_bytes, executor, ray_address, not quiet and not as_json)
+    rep = merge(base, list(experts), policy, params, out=out, options=options)
     _report(rep, as_json)
 
 
@@ -215,9 +227,8 @@ def unmerge_cmd(expert, config_path, state_dir, expert_id, mode, out, backbone, 
     from .engine import unmerge
 
     removed = expert_id or expert
-    rep = unmerge(state_dir, removed, mode, out=out, backbone=backbone, base=base, device=device,
-                  threads=threads, max_shard_bytes=max_shard_bytes, progress=not quiet and not as_json,
-                  executor=_executor(executor, ray_address))
+    options = _exec_options(device, threads, max_shard_bytes, executor, ray_address, not quiet and not as_json)
+    rep = unmerge(state_dir, removed, mode, out=out, backbone=backbone, base=base, options=options)
     if as_json:
         _report(rep, True)
     else:
@@ -413,7 +424,7 @@ def inspect_cmd(paths, base, as_json) -> None:
 @click.option("--to", "to_version", required=True, type=int, help="target version B")
 @click.option("--config", "config_path", required=True, type=click.Path(), help="daemon config (YAML)")
 @click.option("--out", required=True, type=click.Path(), help="patch file to write (must not exist)")
-@click.option("--format", "patch_format", type=click.Choice(["1", "2"]),
+@click.option("--format", "patch_format", type=click.Choice([str(n) for n in FORMAT_NUMBERS]),
               help="patch format (default: the config's patch_format)")
 @click.option("--zstd", "zstd_level", type=click.IntRange(1, 22),
               help="format 2: zstd level of each payload (default: the config's patch_zstd_level)")
@@ -422,7 +433,7 @@ def inspect_cmd(paths, base, as_json) -> None:
 def patch_cmd(from_version, to_version, config_path, out, patch_format, zstd_level, as_json) -> None:
     """Build a patch from published version A to version B (any two kept versions)."""
     from .config import load_config
-    from .daemon.store import Store
+    from .io.versions import Versions
     from .patches.build import build_patch
 
     cfg = load_config(config_path)
@@ -431,7 +442,7 @@ def patch_cmd(from_version, to_version, config_path, out, patch_format, zstd_lev
         zstd_level = cfg.patch_zstd_level
     if zstd_level is not None and fmt != 2:
         raise MergestreamError("--zstd needs patch format 2")
-    store = Store(cfg.state_dir)
+    store = Versions(cfg.state_dir)
     for v in (from_version, to_version):
         if not (store.path(v) / "model").exists():
             raise MergestreamError(f"version {v} is not in {store.versions_dir} (kept: {store.numbers()})")

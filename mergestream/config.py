@@ -36,7 +36,9 @@ from pydantic_settings import (
 )
 
 from .errors import MergestreamError, PolicyError
+from .patches.codec import FORMAT_NUMBERS
 from .policies import RECOMMENDED_PARAMS, RECOMMENDED_POLICY, Policy, make_policy, policy_names
+from .redaction import redact_uris
 
 
 class ConfigError(MergestreamError):
@@ -245,7 +247,10 @@ class PublishConfig(_Section):
     @classmethod
     def _s3_uri(cls, v: str | None) -> str | None:
         if v is not None and (not v.startswith("s3://") or len(v) <= len("s3://") or v[5] == "/"):
-            raise ValueError(f"publish.uri must look like s3://bucket/prefix/, got {v!r}")
+            raise ValueError(f"publish.uri must look like s3://bucket/prefix/, got {redact_uris(v)!r}")
+        if v is not None and "@" in v[len("s3://"):].partition("/")[0]:
+            raise ValueError(f"publish.uri {redact_uris(v)!r} names credentials: an s3:// URI names a bucket, the "
+                             "credentials come from the AWS chain (environment, ~/.aws, roles); remove the user@ part")
         return v
 
 
@@ -259,7 +264,7 @@ class FeedConfig(_Section):
 
     dir: Path | None = Field(None, description="feed folder to serve over HTTP; default: no feed")
     keys: Path | None = Field(None, description="keys folder of `mergestream feed keygen` (required with dir)")
-    patch_format: Literal[1, 2] = Field(1, description="2: re-encode the feed's patches with bitmasks")
+    patch_format: Literal[FORMAT_NUMBERS] = Field(1, description="2: re-encode the feed's patches with bitmasks")
     zstd_level: int | None = Field(None, ge=1, le=22, description="format 2: zstd level of each payload")
     keep: int | None = Field(None, ge=1, description="only the newest N versions' patches; default: all kept")
     expires: dict[str, str] = Field(default_factory=dict, description="role lifetimes, e.g. {timestamp: 1d, "
@@ -381,7 +386,7 @@ class Config(BaseSettings):
     max_shard_bytes: int = Field(5 * 1024**3, gt=0, description="output shard cap (bytes)")
     log_format: Literal["json", "text"] = Field("json", description="structured log lines")
     write_patches: bool = Field(True, description="write versions/N/patch-from-<N-1>.safetensors")
-    patch_format: Literal[1, 2] = Field(1, description="format of those patches: 1 (index lists, every "
+    patch_format: Literal[FORMAT_NUMBERS] = Field(1, description="format of those patches: 1 (index lists, every "
                                         "apply-patch reads it) or 2 (bitmasks, optional zstd)")
     patch_zstd_level: int | None = Field(None, ge=1, le=22, description="format 2: zstd level of each payload")
 
@@ -465,20 +470,90 @@ def _resolve(cfg: Config, root: Path) -> Config:
                                   "probes": probes, "mlflow": mlflow, "feed": feed})
 
 
-def load_config(path: str | os.PathLike) -> Config:
-    """Read and validate a YAML config; environment overrides win. Relative paths (written,
-    defaulted or from the environment) are resolved against the folder of ``path``.
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader that records every key a mapping repeats (at any depth) in
+    :attr:`duplicates` as ``(dotted.key, first line, repeated line)``, lines counted from 1. PyYAML
+    itself keeps the last silently. Merge keys (``<<:``) still merge, and an explicit key still
+    overrides a merged one, as YAML says."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self.duplicates: list[tuple[str, int, int]] = []
+        self._paths: dict[int, str] = {}  # id(collection node) -> its dotted place in the document
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        where = self._paths.get(id(node), "")
+        seen: dict[Any, yaml.Node] = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            name = f"{where}.{key}" if where else str(key)
+            self._place(value_node, name)
+            try:
+                first = seen.setdefault(key, key_node)
+            except TypeError:  # an unhashable key: PyYAML's own construction reports it
+                continue
+            if first is not key_node:
+                self.duplicates.append((name, first.start_mark.line + 1, key_node.start_mark.line + 1))
+        return super().construct_mapping(node, deep=deep)
+
+    def _place(self, node: yaml.Node, name: str) -> None:
+        self._paths[id(node)] = name
+        if isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                self._place(item, f"{name}[{i}]")
+
+
+def _read_yaml(text: str) -> tuple[Any, list[tuple[str, int, int]]]:
+    """The document in ``text`` (safe types only) and the keys it repeats (see :class:`_StrictLoader`).
 
     Raises:
-        ConfigError: missing/unreadable file, YAML syntax, or validation errors (all listed).
+        yaml.YAMLError: the text is not YAML.
+    """
+    loader = _StrictLoader(text)
+    try:
+        return loader.get_single_data(), sorted(loader.duplicates, key=lambda d: (d[2], d[0]))
+    finally:
+        loader.dispose()
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """A YAML error as ``line L, column C: problem (context at line L', column C')`` (without
+    PyYAML's quote of the line, which may hold a secret)."""
+    def at(mark) -> str:
+        return f"line {mark.line + 1}, column {mark.column + 1}"
+
+    problem, context = getattr(exc, "problem", None), getattr(exc, "context", None)
+    pmark, cmark = getattr(exc, "problem_mark", None), getattr(exc, "context_mark", None)
+    text = f"{at(pmark)}: " if pmark else ""
+    text += str(problem or context or type(exc).__name__)
+    if problem and context:
+        text += f" ({context}" + (f" at {at(cmark)}" if cmark else "") + ")"
+    return text
+
+
+def load_config(path: str | os.PathLike) -> Config:
+    """Read and validate a YAML config; environment overrides win. Relative paths (written,
+    defaulted or from the environment) are resolved against the folder of ``path``. No message
+    quotes a secret: URIs are redacted (:mod:`mergestream.redaction`), YAML errors give a line and
+    column, not the line.
+
+    Raises:
+        ConfigError: missing/unreadable file, YAML syntax, a key repeated in one mapping (naming
+            it and both lines), or validation errors (all listed).
     """
     p = Path(path)
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data, duplicates = _read_yaml(p.read_text())
     except FileNotFoundError:
         raise ConfigError(f"config file {p} not found") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{p}: invalid YAML ({exc})") from None
+        raise ConfigError(f"{p}: invalid YAML: {_yaml_problem(exc)}") from None
+    if duplicates:
+        raise ConfigError(f"{p}: " + "; ".join(f"key {k} given twice (line {a} and line {b})" for k, a, b in duplicates)
+                          + ": YAML would silently keep the later one; keep one")
+    data = data or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: the top level must be a mapping")
     try:

@@ -99,7 +99,9 @@ LOWER = ["mergestream.engine", "mergestream.engine.folding", "mergestream.engine
          "mergestream.experts", "mergestream.text", "mergestream.io.st", "mergestream.engine.stream", "mergestream.io.writers",
          "mergestream.engine.residuals", "mergestream.patches", "mergestream.patches.build", "mergestream.engine.inspection",
          "mergestream.io.state", "mergestream.config", "mergestream.engine.fold_tensor", "mergestream.engine.executors",
-         "mergestream.engine.executors.recording"]
+         "mergestream.engine.executors.recording",
+         "mergestream.io.versions", "mergestream.feed.build", "mergestream.feed.plan", "mergestream.feed.layout",
+         "mergestream.feed.keys", "mergestream.agent.pull", "mergestream.agent.cli"]
 
 
 @pytest.mark.parametrize("module", [m for m in LOWER if m in MODULES])
@@ -146,6 +148,69 @@ def test_runtime_import_of_lower_layers_loads_no_daemon():
             "bad = sorted(m for m in sys.modules if m.startswith(('mergestream.daemon', 'mergestream.cli')))\n"
             "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+#: what imports no torch, so a device or a CI job without it can use it: the I/O layer's format
+#: modules (the tensor readers and writers in io/ are the engine's and need torch), the patch apply
+#: side, the whole feed package (the fleet contract and the publisher) and the device agent
+TORCH_FREE = sorted(m for m in MODULES if m in {"mergestream", "mergestream.io", "mergestream.io.st",
+                                                 "mergestream.io.versions", "mergestream.patches",
+                                                 "mergestream.patches.codec", "mergestream.patches.build"}
+                    or m.startswith(("mergestream.feed", "mergestream.agent")))
+
+
+def test_torch_free_parts_import_no_torch_in_a_fresh_interpreter():
+    """Each module of :data:`TORCH_FREE` imports (every one, in one fresh interpreter) with torch
+    blocked: ``import torch`` anywhere on the way raises, as on a machine without it."""
+    assert {"mergestream.io.st", "mergestream.feed.build", "mergestream.feed.plan", "mergestream.agent.cli"} <= set(TORCH_FREE)
+    code = ("import sys\n"
+            "class Block:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] == 'torch':\n"
+            "            raise ModuleNotFoundError('torch is blocked', name=name)\n"
+            "sys.meta_path.insert(0, Block())\n"
+            + "".join(f"import {m}\n" for m in TORCH_FREE) + "assert 'torch' not in sys.modules\n")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_the_agent_imports_only_the_fleet_contract_patches_st_and_errors():
+    allowed = ("mergestream.agent", "mergestream.feed.layout", "mergestream.feed.plan", "mergestream.patches",
+               "mergestream.io.st", "mergestream.errors")
+    graph = import_graph()
+    for name, edges in graph.items():
+        if name.startswith("mergestream.agent"):
+            # a package import also runs its __init__: mergestream, mergestream.io, mergestream.feed
+            outside = {e for e in edges if not e.startswith(allowed) and e not in ("mergestream", "mergestream.io",
+                                                                                   "mergestream.feed")}
+            assert not outside, f"{name} imports {outside}"
+
+
+def test_nothing_but_the_agent_imports_the_agent():
+    """The fleet contract lives in feed/: the agent imports it, never the reverse, and nothing
+    else of the package (the daemon, the CLI, the feed builder) reaches into the agent."""
+    graph = import_graph()
+    for name, edges in graph.items():
+        if not name.startswith("mergestream.agent"):
+            into = {e for e in edges if e.startswith("mergestream.agent")}
+            assert not into, f"{name} imports {into}"
+
+
+def test_the_feed_reads_versions_without_the_daemon():
+    """feed/ (the builder included) imports neither the daemon nor the agent; only its command
+    group reads the daemon's config (``feed build --config``)."""
+    graph = import_graph()
+    for name, edges in graph.items():
+        if name.startswith("mergestream.feed"):
+            up = {e for e in edges if e.startswith(("mergestream.daemon", "mergestream.agent", "mergestream.cli"))}
+            assert not up, f"{name} imports {up}"
+            if name != "mergestream.feed.cli":
+                assert "mergestream.config" not in edges, f"{name} imports mergestream.config"
+
+
+def test_package_root_holds_at_most_15_modules():
+    root = sorted(p.name for p in PKG.glob("*.py"))
+    assert len(root) <= 15, root
 
 
 def test_no_file_in_the_package_over_600_lines():

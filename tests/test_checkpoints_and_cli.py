@@ -91,7 +91,7 @@ def test_provenance_metadata_and_aux_files(tmp_path, tiny_bert):
     e1 = make_hf_expert(base, tmp_path / "ex1", seed=1)
     out = tmp_path / "out"
     engine.fold(base, None, e1, "safe_merge", {"steps": 3, "k": 4, "k_s": 4, "rank": 2},
-                state_dir=tmp_path / "s", out=out, max_shard_bytes=30_000)
+                state_dir=tmp_path / "s", out=out, options=engine.ExecOptions(max_shard_bytes=30_000))
     check_merge_output(out, base)
     assert (out / "vocab.txt").read_text() == "[PAD]\n[UNK]\n"
     assert (out / "tokenizer_config.json").exists()

@@ -15,6 +15,7 @@ import torch
 ray = pytest.importorskip("ray")
 
 from mergestream import engine  # noqa: E402
+from mergestream.engine import ExecOptions, LocalExecutor  # noqa: E402
 from mergestream.engine.executors import make_executor  # noqa: E402
 from mergestream.io.state import StateDir  # noqa: E402
 
@@ -64,8 +65,8 @@ def _chain(tmp: Path, tag: str, bpath, experts, policy, params, executor=None, *
     state, backbone = tmp / f"{tag}-state", None
     for i, e in enumerate(experts):
         out = tmp / f"{tag}-{i}"
-        engine.fold(bpath, backbone, e, policy, params, state_dir=state, out=out, expert_id=f"e{i}", threads=1,
-                    executor=executor, **kw)
+        engine.fold(bpath, backbone, e, policy, params, state_dir=state, out=out, expert_id=f"e{i}",
+                    options=ExecOptions(threads=1, executor=executor or LocalExecutor()), **kw)
         backbone = out
     return backbone, state
 
@@ -101,9 +102,9 @@ def test_ray_replay_unmerge_equals_local(cluster, models, tmp_path):
     params = {"k": 30}
     _, st_l = _chain(tmp_path, "local", bpath, experts, "ties", params)
     _, st_r = _chain(tmp_path, "ray", bpath, experts, "ties", params)
-    engine.unmerge(st_l, "e0", "replay", out=tmp_path / "u-local", threads=1)
-    engine.unmerge(st_r, "e0", "replay", out=tmp_path / "u-ray", threads=1,
-                   executor=make_executor("ray", group_bytes=GROUP))
+    engine.unmerge(st_l, "e0", "replay", out=tmp_path / "u-local", options=ExecOptions(threads=1))
+    engine.unmerge(st_r, "e0", "replay", out=tmp_path / "u-ray",
+                   options=ExecOptions(threads=1, executor=make_executor("ray", group_bytes=GROUP)))
     assert _files(tmp_path / "u-ray") == _files(tmp_path / "u-local")
     assert _state_bytes(st_r) == _state_bytes(st_l)
 
@@ -139,7 +140,7 @@ def test_a_task_that_keeps_failing_leaves_no_output_and_the_state_unchanged(clus
     ex = make_executor("ray", group_bytes=GROUP, task_hook=fail, max_retries=2)
     with pytest.raises(RuntimeError, match="disk on fire"):
         engine.fold(bpath, out0, experts[1], "opcm", {"alpha": 0.5}, state_dir=state, out=tmp_path / "next",
-                    expert_id="e1", executor=ex)
+                    expert_id="e1", options=ExecOptions(executor=ex))
     assert not (tmp_path / "next").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".next")], "a staging folder was left behind"
     assert _files(state) == before
@@ -155,9 +156,9 @@ def test_unknown_executor_is_a_clear_error():
 @pytest.mark.parametrize(("policy", "params"), POLICIES, ids=IDS)
 def test_ray_merge_equals_local_merge_byte_for_byte(cluster, models, tmp_path, policy, params):
     bpath, experts = models
-    engine.merge(bpath, experts, policy, params, out=tmp_path / "local", threads=1)
+    engine.merge(bpath, experts, policy, params, out=tmp_path / "local", options=ExecOptions(threads=1))
     ex = make_executor("ray", group_bytes=GROUP)
-    engine.merge(bpath, experts, policy, params, out=tmp_path / "ray", threads=1, executor=ex)
+    engine.merge(bpath, experts, policy, params, out=tmp_path / "ray", options=ExecOptions(threads=1, executor=ex))
     assert len(ex.tasks) > 1
     assert _files(tmp_path / "ray") == _files(tmp_path / "local")
 

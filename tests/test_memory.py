@@ -23,7 +23,7 @@ import json, sys
 from mergestream import engine
 base, expert, policy, params, state, out = sys.argv[1:7]
 engine.fold(base, None, expert, policy, json.loads(params), state_dir=state, out=out,
-            max_shard_bytes=256 * 1024**2)
+            options=engine.ExecOptions(max_shard_bytes=256 * 1024**2))
 hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM:")][0]
 print(int(hwm.split()[1]) * 1024)
 """

@@ -159,7 +159,7 @@ def test_fold_from_s3_equals_the_local_fold_and_fetches_each_tensor_once(s3, buc
                         expert_id="e1")
     caplog.set_level(logging.DEBUG, logger="mergestream.io.s3_checkpoint")
     remote = engine.fold(base, None, uri, policy, {}, state_dir=tmp_path / "s-s3", out=tmp_path / "o-s3",
-                         expert_id="e1", threads=2)
+                         expert_id="e1", options=engine.ExecOptions(threads=2))
     assert remote.sha256 == local.sha256 == [content_sha256(expert)]
     for f in sorted((tmp_path / "o-local").iterdir()):
         assert (tmp_path / "o-s3" / f.name).read_bytes() == f.read_bytes(), f.name
@@ -231,7 +231,7 @@ def test_object_replaced_mid_fold_fails_and_writes_nothing(s3, bucket, model, tm
 
     with pytest.raises(ObjectChangedError, match="replaced since it was opened"):
         engine.fold(base, None, uri, "ties", {}, state_dir=tmp_path / "s", out=tmp_path / "o", expert_id="e1",
-                    threads=1, tensor_hook=replace_after_first)
+                    options=engine.ExecOptions(threads=1), tensor_hook=replace_after_first)
     assert not (tmp_path / "o").exists()
     assert not (tmp_path / "s").exists() or not any((tmp_path / "s").iterdir())
 
@@ -340,7 +340,7 @@ def test_ray_tasks_read_the_expert_from_the_bucket_through_a_reference(s3, bucke
     try:
         ex = make_executor("ray", group_bytes=6 * 1024)
         remote = engine.fold(base, None, ref, "ties", {}, state_dir=tmp_path / "s-r", out=tmp_path / "o-r",
-                             expert_id="e1", threads=1, executor=ex)
+                             expert_id="e1", options=engine.ExecOptions(threads=1, executor=ex))
         assert len(ex.tasks) > 1
     finally:
         ray.shutdown()

@@ -336,7 +336,7 @@ def test_mirror_uploads_each_version_then_moves_current_and_rollback_moves_it(s3
         views.append(all(have.get(f"pub/{ptr['prefix']}{rel}") == n for rel, n in ptr["files"].items()))
 
     client.meta.events.register("before-call.s3.PutObject", reader_view)
-    store.mirror = Mirror(bucket, "pub/", lambda: client, metrics)
+    store.publishers.append(Mirror(bucket, "pub/", lambda: client, metrics))
     v1 = _fake_version(store, tmp_path, 1)
     v2 = _fake_version(store, tmp_path, 2)
     ptr = _pointer(c, bucket, "pub/")
@@ -356,7 +356,7 @@ def test_mirror_failure_is_counted_and_never_touches_the_local_store(tmp_path):
     metrics = Metrics(CollectorRegistry())
     store = Store(tmp_path / "state")
     dead = f"http://127.0.0.1:{free_port()}"
-    store.mirror = Mirror("bkt-x", "", lambda: make_client(dead, connect_timeout=1, max_attempts=1), metrics)
+    store.publishers.append(Mirror("bkt-x", "", lambda: make_client(dead, connect_timeout=1, max_attempts=1), metrics))
     v = _fake_version(store, tmp_path, 3)
     assert store.current() == v and (store.path(v) / "model" / "model.safetensors").is_file()
     assert metrics.registry.get_sample_value("mergestream_mirror_errors_total", {"kind": "unreachable"}) == 1

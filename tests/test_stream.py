@@ -210,7 +210,8 @@ def test_the_expert_is_read_once_per_fold(tmp_path, monkeypatch, policy):
     bpath = save_tensors(tmp_path / "base.safetensors", base)
     epath = save_tensors(tmp_path / "e.safetensors", perturb(base, 0.05, 1))
     _CountingCheckpoint.install(monkeypatch)
-    rep = engine.fold(bpath, None, epath, policy, state_dir=tmp_path / "s", out=tmp_path / "o", threads=2)
+    rep = engine.fold(bpath, None, epath, policy, state_dir=tmp_path / "s", out=tmp_path / "o",
+                      options=engine.ExecOptions(threads=2))
     data_bytes = sum(v.nbytes for v in base.values())
     assert _CountingCheckpoint.reads[str(epath)] == data_bytes
     assert rep.sha256 == [content_sha256(epath)] == [weights_sha256(epath)]
@@ -290,9 +291,9 @@ def test_chunked_task_arithmetic_equals_the_whole_tensor_path(tmp_path, monkeypa
     e2 = save_tensors(tmp_path / "e2.safetensors", perturb(base, 0.05, 2))
     monkeypatch.setattr(stream, "CHUNK_ELEMENTS", 1000)  # many chunks per tensor
     engine.fold(bpath, None, e1, "task_arithmetic", {"lambda": 0.3}, state_dir=tmp_path / "a", out=tmp_path / "a1",
-                threads=3)
+                options=engine.ExecOptions(threads=3))
     engine.fold(bpath, tmp_path / "a1", e2, "task_arithmetic", {"lambda": 0.3}, state_dir=tmp_path / "a",
-                out=tmp_path / "a2", threads=3)
+                out=tmp_path / "a2", options=engine.ExecOptions(threads=3))
     from mergestream.policies import TaskArithmetic
 
     monkeypatch.setattr(TaskArithmetic, "linear_scale", lambda self: None)
@@ -326,8 +327,8 @@ def test_randomized_svd_folds_are_the_same_at_any_thread_count(tmp_path, monkeyp
     outs = {}
     for threads in (1, 4):
         st, o1, o2 = tmp_path / f"s{threads}", tmp_path / f"a{threads}", tmp_path / f"b{threads}"
-        engine.fold(bpath, None, e1, policy, params, state_dir=st, out=o1, threads=threads)
-        engine.fold(bpath, o1, e2, policy, params, state_dir=st, out=o2, threads=threads)
+        engine.fold(bpath, None, e1, policy, params, state_dir=st, out=o1, options=engine.ExecOptions(threads=threads))
+        engine.fold(bpath, o1, e2, policy, params, state_dir=st, out=o2, options=engine.ExecOptions(threads=threads))
         outs[threads] = read_state_dict(o2)
     _same_bytes(outs[1], outs[4])
 
@@ -342,7 +343,7 @@ def test_cuda_fold_matches_cpu(tmp_path, policy, params):
     epath = save_tensors(tmp_path / "e.safetensors", perturb(base, 0.05, 1))
     for dev in ("cpu", "cuda"):
         engine.fold(bpath, None, epath, policy, params, state_dir=tmp_path / f"s-{dev}", out=tmp_path / dev,
-                    device=dev)
+                    options=engine.ExecOptions(device=dev))
     a, b = read_state_dict(tmp_path / "cpu"), read_state_dict(tmp_path / "cuda")
     if policy == "task_arithmetic":
         _same_bytes(a, b)
@@ -462,7 +463,8 @@ def test_whole_tensor_workers_share_the_cores_and_torch_threads_come_back(tmp_pa
     epath = save_tensors(tmp_path / "e.safetensors", perturb(base, 0.05, 1))
     seen: dict[str, set[int]] = {}
     for policy in ("ties", "task_arithmetic"):
-        engine.fold(bpath, None, epath, policy, state_dir=tmp_path / policy, out=tmp_path / f"{policy}-o", threads=2,
+        engine.fold(bpath, None, epath, policy, state_dir=tmp_path / policy, out=tmp_path / f"{policy}-o",
+                    options=engine.ExecOptions(threads=2),
                     tensor_hook=lambda name, p=policy: seen.setdefault(p, set()).add(torch.get_num_threads()))
         assert torch.get_num_threads() == before
     assert seen == {"ties": {max(1, before // 2)}, "task_arithmetic": {before}}
@@ -471,6 +473,6 @@ def test_whole_tensor_workers_share_the_cores_and_torch_threads_come_back(tmp_pa
         raise RuntimeError("injected")
 
     with pytest.raises(RuntimeError, match="injected"):
-        engine.fold(bpath, None, epath, "ties", state_dir=tmp_path / "f", out=tmp_path / "f-o", threads=2,
-                    tensor_hook=boom)
+        engine.fold(bpath, None, epath, "ties", state_dir=tmp_path / "f", out=tmp_path / "f-o",
+                    options=engine.ExecOptions(threads=2), tensor_hook=boom)
     assert torch.get_num_threads() == before

@@ -3,9 +3,10 @@
 Installable without torch: it imports only the standard library, numpy (via
 :mod:`mergestream.patches`), python-tuf's client (``tuf.ngclient``, with urllib3 and
 securesystemslib), click, and from mergestream only torch-free modules (:mod:`mergestream.io.st`,
-:mod:`mergestream.patches`, :mod:`mergestream.feed.layout`, :mod:`mergestream.errors`).
+:mod:`mergestream.patches`, :mod:`mergestream.feed` (the fleet contract: :mod:`~mergestream.feed.layout`,
+:mod:`~mergestream.feed.plan`), :mod:`mergestream.errors`).
 
-Modules: :mod:`.plan` (shortest verified path), :mod:`.fetch` (resumable, verified downloads),
+Modules: :mod:`.fetch` (resumable, verified downloads),
 :mod:`.slots` (A/B slots, pointers, status, lock), :mod:`.pull` (one pull, one rollback),
 :mod:`.cli` (the command line). Device layout, under ``--model-dir``::
 

@@ -32,6 +32,7 @@ from tuf.api.metadata import Metadata, TargetFile
 from tuf.ngclient import Updater
 
 from ..feed.layout import LATEST, custom_of
+from ..feed.plan import NoPathError, Plan, Target, shortest
 from ..patches import PatchError, apply_patch, weights_sha256
 from .errors import (
     DownloadFailed,
@@ -42,7 +43,6 @@ from .errors import (
     crashpoint,
 )
 from .fetch import download
-from .plan import NoPathError, Plan, Target, shortest
 from .slots import Device
 
 log = logging.getLogger(__name__)

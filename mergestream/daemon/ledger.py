@@ -23,9 +23,10 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from .records import Attempt, ExpertRow, Outcome
 
 STATUSES = ("pending", "folding", "accepted", "rejected", "failed", "unmerged")
 
@@ -84,27 +85,6 @@ CREATE TABLE IF NOT EXISTS outbox (
 );
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
-
-
-@dataclass(frozen=True)
-class ExpertRow:
-    """One expert as the ledger knows it."""
-
-    row: int
-    expert_id: str
-    source: str
-    uri: str
-    sha256: str
-    registry_key: str | None
-    metadata: dict[str, Any]
-    status: str
-    reason: str | None
-    version: int | None
-    created: float
-    updated: float
-
-    def to_json(self) -> dict[str, Any]:
-        return dict(self.__dict__)
 
 
 class Ledger:
@@ -226,9 +206,29 @@ class Ledger:
         return int(self._q("SELECT COUNT(*) FROM experts WHERE status IN ('pending', 'folding')")[0][0])
 
     # -- folds and versions ---------------------------------------------------------------------
-    def record_fold(self, kind: str, expert_id: str | None, policy: str | None, params: dict | None, started: float,
-                    seconds: float, timings: dict, probes: dict, decision: str, reason: str | None,
-                    version: int | None) -> int:
+    def record_fold(self, att: Attempt, outcome: Outcome, *, policy: str, seconds: float) -> int:
+        """One ``folds`` row for a pipeline attempt (a fold or an unmerge) and how it ended; the
+        version is linked later by :meth:`add_version` when the attempt is published.
+
+        Args:
+            att: the attempt (kind, expert, parameters, start time, per-stage timings).
+            outcome: its decision, reason and probe values.
+            policy: the policy's registered name. seconds: the attempt's wall time (s).
+
+        Returns:
+            The row number (for :meth:`add_version`).
+        """
+        return self._insert_fold(att.kind, att.expert_id, policy, att.params, att.started, seconds, att.timings,
+                                 outcome.probes, outcome.decision, outcome.reason, None)
+
+    def record_event(self, kind: str, *, expert_id: str | None, policy: str, params: dict[str, Any], decision: str,
+                     reason: str, version: int | None = None) -> int:
+        """One ``folds`` row for what happened without an attempt: a ``duplicate`` expert turned
+        away, an operator ``rollback`` (timed now, zero seconds, no probes). Returns the row."""
+        return self._insert_fold(kind, expert_id, policy, params, time.time(), 0.0, {}, {}, decision, reason, version)
+
+    def _insert_fold(self, *values: Any) -> int:
+        kind, expert_id, policy, params, started, seconds, timings, probes, decision, reason, version = values
         with self._tx() as db:
             cur = db.execute("INSERT INTO folds (kind, expert_id, policy, params, started, seconds, timings, probes,"
                              " decision, reason, version) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",

@@ -27,7 +27,6 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,13 +34,16 @@ from prometheus_client import Gauge
 
 from .. import engine
 from ..config import Config
+from ..engine import ExecOptions
+from ..engine.executors import make_executor
 from ..errors import CheckpointError, MergestreamError, ValidationError
 from ..io.state import StateDir
 from . import gate
-from .ledger import ExpertRow, Ledger
+from .ledger import Ledger
 from .metrics import Metrics
 from .prestep import PreStepRejected, PreSteps, StopRequested
 from .probing import Prober
+from .records import Attempt, ExpertRow, Outcome
 from .store import Store
 from .tracking import Tracker
 
@@ -59,51 +61,6 @@ def show_probe_values(gauge: Gauge, values: dict[str, float]) -> None:
     shown = {s.labels["probe"] for m in gauge.collect() for s in m.samples}
     for k in shown - set(values):
         gauge.remove(k)
-
-
-@dataclass
-class Attempt:
-    """One try at publishing a new version.
-
-    Attributes:
-        kind: ``"fold"`` (an expert in) or ``"unmerge"`` (an expert out).
-        expert_id: the expert folded in or removed.
-        staging: the candidate's folder (``model/``, ``state/``), published or removed at the end.
-        started: wall-clock start (s since the epoch).
-        row: the ledger row of a folded expert (None for an unmerge).
-        params: the policy parameters recorded with the attempt.
-        timings: seconds (and counts) per stage, logged as MLflow metrics.
-        extra: more for ``fold.json`` (the RI pre-step's and the coefficient search's records).
-        candidate_expert: the expert's folder when it is one (it may ship a task probe).
-    """
-
-    kind: str
-    expert_id: str
-    staging: Path
-    started: float
-    row: ExpertRow | None = None
-    params: dict[str, Any] = field(default_factory=dict)
-    timings: dict[str, float] = field(default_factory=dict)
-    extra: dict[str, Any] = field(default_factory=dict)
-    candidate_expert: Path | None = None
-
-
-@dataclass
-class Outcome:
-    """How an attempt ended.
-
-    Attributes:
-        decision: ``accepted``, ``rejected`` or ``failed``.
-        reason: why it was not accepted (None when accepted).
-        stage: where a rejection happened (``validation``, ``preprocess``, ``gate``), the label
-            of ``mergestream_experts_rejected_total``.
-        probes: the candidate's probe values (empty when it was never probed).
-    """
-
-    decision: str
-    reason: str | None = None
-    stage: str = ""
-    probes: dict[str, float] = field(default_factory=dict)
 
 
 class Pipeline:
@@ -126,15 +83,23 @@ class Pipeline:
         self.tensor_delay = tensor_delay
         self.prober = Prober(cfg, ledger, store)
         self.presteps = PreSteps(cfg, self.prober, self.heartbeat, store.kept)
-        self._executor: Any = None
+        self._options: ExecOptions | None = None
 
-    def executor(self) -> Any:
-        """The engine's executor of ``cfg.executor`` (None: local threads), made at the first fold."""
-        if self.cfg.executor.kind != "local" and self._executor is None:
-            from ..engine.executors import make_executor
+    def options(self) -> ExecOptions:
+        """The engine's execution options from the config (``device``, ``fold_threads``,
+        ``max_shard_bytes``, ``executor``), built once, at the first fold or unmerge, and passed
+        whole to every engine call.
 
-            self._executor = make_executor(self.cfg.executor.kind, self.cfg.executor.address)
-        return self._executor
+        Raises:
+            MergestreamError: ``executor.kind: ray`` without the ``ray`` package (tried again at
+                the next attempt).
+        """
+        if self._options is None:
+            cfg = self.cfg
+            self._options = ExecOptions(device=cfg.device, threads=cfg.fold_threads,
+                                        max_shard_bytes=cfg.max_shard_bytes,
+                                        executor=make_executor(cfg.executor.kind, cfg.executor.address))
+        return self._options
 
     def heartbeat(self, *_: Any) -> None:
         """Called per tensor / RI step / objective evaluation: liveness, and a pending stop."""
@@ -175,12 +140,14 @@ class Pipeline:
         if row.registry_key and not self.still_available(row.registry_key):
             return Outcome("rejected", "the registry version was deleted before it was folded", "validation")
         try:
+            policy = pol.make()  # this attempt's one Policy object: for the objective and the fold
             src = self.presteps.adapt(row, att) if "ri" in pol.preprocess else row.uri
             raw = Path(src) == Path(row.uri)
             if raw:  # fold (and record for replay) the kept copy, whatever becomes of the original
                 src = str(self.store.kept.keep(row.uri, row.expert_id))
                 att.candidate_expert = Path(src) if Path(src).is_dir() else None
-            objective = self.presteps.objective(att.candidate_expert) if pol.make().searches_coefficients() else None
+            objective = self.presteps.objective(att.candidate_expert, policy) if policy.searches_coefficients() \
+                else None
             self.store.carry_state(att.staging / "state")
             delay = self.tensor_delay
 
@@ -192,11 +159,10 @@ class Pipeline:
             # the ledger's hash is the one the fold computes on its own pass: an expert changed since
             # it was registered is refused (unless RI replaced it with its adapted copy)
             checked = raw and row.metadata.get(HASH_KEY) == HASH_KIND
-            rep = engine.fold(self.cfg.base, backbone, src, pol.name, pol.params, state_dir=att.staging / "state",
-                              out=att.staging / "model", expert_id=row.expert_id, device=self.cfg.device,
-                              threads=self.cfg.fold_threads, max_shard_bytes=self.cfg.max_shard_bytes,
-                              tensor_hook=hook, objective=objective, expect_sha256=row.sha256 if checked else None,
-                              executor=self.executor())
+            rep = engine.fold(self.cfg.base, backbone, src, policy, state_dir=att.staging / "state",
+                              out=att.staging / "model", expert_id=row.expert_id, tensor_hook=hook,
+                              objective=objective, expect_sha256=row.sha256 if checked else None,
+                              options=self.options())
         except StopRequested:
             raise
         except PreStepRejected as exc:
@@ -240,9 +206,7 @@ class Pipeline:
         self.store.carry_state(att.staging / "state")
         try:
             engine.unmerge(att.staging / "state", expert_id, mode, out=att.staging / "model",
-                           backbone=cur / "model", base=self.cfg.base, device=self.cfg.device,
-                           threads=self.cfg.fold_threads, max_shard_bytes=self.cfg.max_shard_bytes,
-                           executor=self.executor())
+                           backbone=cur / "model", base=self.cfg.base, options=self.options())
         except MergestreamError:
             shutil.rmtree(att.staging, ignore_errors=True)
             raise
@@ -294,8 +258,7 @@ class Pipeline:
         pol = self.cfg.policy.name
         prev = self.store.current()
         patch_path = self._write_patch(prev, att.staging) if prev is not None and self.cfg.write_patches else None
-        fold_row = self.ledger.record_fold(att.kind, att.expert_id, pol, att.params, att.started, seconds, att.timings,
-                                           outcome.probes, "accepted", None, None)
+        fold_row = self.ledger.record_fold(att, outcome, policy=pol, seconds=seconds)
         state = att.staging / "state"
         experts_in = StateDir(state).manifest.ids() if (state / "manifest.json").exists() else []
         fold_doc = {"kind": att.kind, "expert": att.expert_id, "policy": pol, "params": att.params,
@@ -317,9 +280,7 @@ class Pipeline:
 
     def _discard(self, att: Attempt, outcome: Outcome) -> None:
         shutil.rmtree(att.staging, ignore_errors=True)
-        self.ledger.record_fold(att.kind, att.expert_id, self.cfg.policy.name, att.params, att.started,
-                                time.time() - att.started, att.timings, outcome.probes, outcome.decision,
-                                outcome.reason, None)
+        self.ledger.record_fold(att, outcome, policy=self.cfg.policy.name, seconds=time.time() - att.started)
         if att.kind == "fold":
             self.ledger.set_status(att.expert_id, outcome.decision, outcome.reason)
         if outcome.decision == "rejected":

@@ -22,12 +22,13 @@ from typing import Any
 from ..config import Config
 from ..engine.coefficients import EntropyObjective
 from ..errors import MergestreamError
+from ..policies import Policy
 from ..ri import RIError, RIParams, adapt_expert, load_feature_model, read_aux
 from ..text import has_tokenizer, load_head
-from .ledger import ExpertRow
 from .objective import ProbeObjective
 from .probes import SentenceSimilarityProbe, discover_task_probe
 from .probing import Prober
+from .records import ExpertRow
 from .store import KeptExperts
 
 log = logging.getLogger("mergestream.service")
@@ -63,7 +64,7 @@ class PreSteps:
     def adapt(self, row: ExpertRow, att: Any) -> str:
         """Adapt the expert with RI; returns the path to fold (the adapted copy, or the expert
         itself when it has no task head and ``ri.on_missing_head`` is ``fold``). Records timings
-        and ``fold.json`` extras on ``att`` (a :class:`~mergestream.daemon.pipeline.Attempt`).
+        and ``fold.json`` extras on ``att`` (a :class:`~mergestream.daemon.records.Attempt`).
 
         Raises:
             PreStepRejected: the expert has no task head and ``ri.on_missing_head`` is reject,
@@ -107,11 +108,18 @@ class PreSteps:
         att.extra["ri"] = {**res.to_json(), "other_tasks": [s.task for s in others]}
         return str(path)
 
-    def objective(self, candidate_expert: Path | None) -> ProbeObjective | EntropyObjective:
+    def objective(self, candidate_expert: Path | None,
+                  policy: Policy | None = None) -> ProbeObjective | EntropyObjective:
         """The coefficient search's objective on the data probes (task heads incl. the candidate's,
         and the configured sentence_similarity probe), see :class:`.objective.ProbeObjective`; for
-        ``coefficients: adamerging`` :meth:`entropy_objective`."""
-        if self.cfg.policy.make().searches_coefficients() == "adamerging":
+        ``coefficients: adamerging`` :meth:`entropy_objective`.
+
+        Args:
+            candidate_expert: the expert's folder (it may ship a task probe), or None.
+            policy: the attempt's :class:`~mergestream.policies.Policy` (None: built from the config).
+        """
+        policy = policy if policy is not None else self.cfg.policy.make()
+        if policy.searches_coefficients() == "adamerging":
             return self.entropy_objective(candidate_expert)
         oc = self.cfg.policy.objective
         general = next((p for p in self.prober.probes() if isinstance(p, SentenceSimilarityProbe)), None)

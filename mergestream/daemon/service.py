@@ -24,7 +24,8 @@ from ..errors import CheckpointError, MergestreamError
 from ..io.checkpoints import open_checkpoint
 from ..io.expert_readers import content_sha256
 from ..io.input_formats import check_not_quantized
-from .feed_publish import build_feed_publisher
+from .feed_publish import FeedPublisher, build_feed_publisher
+from .http import ListenError, listen_hint
 from .ledger import Ledger
 from .metrics import Metrics, MetricsServer
 from .mirror import build_mirror
@@ -46,6 +47,7 @@ class Service:
         self.ledger: Ledger | None = None
         self.tracker: Tracker | None = None
         self.server: MetricsServer | None = None
+        self.feed: FeedPublisher | None = None  # also one of the store's publishers (started, closed here)
         self.sources: list[Source] = []
         self.wake = threading.Event()
         self.stopping = threading.Event()
@@ -84,10 +86,11 @@ class Service:
         self.cfg.state_dir.mkdir(parents=True, exist_ok=True)
         self.cfg.inbox.mkdir(parents=True, exist_ok=True)
         self.ledger = Ledger(self.cfg.state_dir / "ledger.sqlite")
-        self.store.mirror = build_mirror(self.cfg, self.metrics)  # publish.uri: versions to object storage
-        self.store.feed = build_feed_publisher(self.cfg, self.metrics)  # feed.dir: the signed device feed
-        if self.store.feed is not None:
-            self.store.feed.start(self.store.current())
+        mirror = build_mirror(self.cfg, self.metrics)  # publish.uri: versions to object storage
+        self.feed = build_feed_publisher(self.cfg, self.metrics)  # feed.dir: the signed device feed
+        self.store.publishers = [p for p in (mirror, self.feed) if p is not None]
+        if self.feed is not None:
+            self.feed.start(self.store.current())
         stale = self.store.clean_staging()
         requeued = self.ledger.requeue_interrupted()
         self.store.prune_kept()  # kept experts of folds a crash interrupted (folded again from the queue)
@@ -123,12 +126,10 @@ class Service:
             m = self.cfg.metrics
             try:
                 self.server = MetricsServer(self.metrics, m.host, m.port)
-            except OSError as exc:
-                raise ConfigError(f"metrics.port {m.port} on {m.host} cannot be used ({exc.strerror or exc}): "
-                                  "set metrics.port (or MERGESTREAM_METRICS__PORT) to a free port, "
-                                  "or 0 for any free one") from None
+            except ListenError as exc:
+                raise ConfigError(f"metrics: {exc}: {listen_hint(exc, 'metrics')}") from None
             self.server.start()
-            log.info("metrics on http://%s:%d/metrics", self.cfg.metrics.host, self.server.port)
+            log.info("metrics on %s/metrics", self.server.url)
         self.pipeline.prober.base()
         if self._watch:
             self._start_sources()
@@ -156,7 +157,11 @@ class Service:
                             on_error=lambda name, exc: self.metrics.source_errors.labels(source=name).inc())
         self.sources.extend(build_sources(self.cfg, self.on_expert_ready, ctx))
         for src in self.sources:  # listed first: a source may emit (and be told) while it starts
-            src.start()
+            try:
+                src.start()
+            except ListenError as exc:  # a receiver (webhook, bucket notifications) cannot listen
+                section = getattr(src, "config_section", src.name)
+                raise ConfigError(f"{section}: {exc}: {listen_hint(exc, section)}") from None
 
     def stop(self) -> None:
         """Ask the loop to stop (signal-safe). A fold in progress is abandoned at its next tensor
@@ -173,8 +178,8 @@ class Service:
                 log.exception("stopping source %s", s)
         if self.server is not None:
             self.server.stop()
-        if self.store.feed is not None:  # a pending build (e.g. a rollback run here) is finished first
-            self.store.feed.close()
+        if self.feed is not None:  # a pending build (e.g. a rollback run here) is finished first
+            self.feed.close()
         self.metrics.up.set(0)
         if self.ledger is not None:
             self.ledger.close()
@@ -264,8 +269,8 @@ class Service:
             # the same weights under another name: identity is the content, so it is not folded again
             reason = f"duplicate: same weights as expert {row.expert_id} ({row.uri}); not folded again"
             self.metrics.experts_rejected.labels(stage="duplicate").inc()
-            self.ledger.record_fold("duplicate", ev.expert_id, self.cfg.policy.name, {"uri": ev.uri}, time.time(),
-                                    0.0, {}, {}, "rejected", reason, None)
+            self.ledger.record_event("duplicate", expert_id=ev.expert_id, policy=self.cfg.policy.name,
+                                     params={"uri": ev.uri}, decision="rejected", reason=reason)
             log.warning("expert %s at %s rejected: %s", ev.expert_id, ev.uri, reason)
         self.metrics.queue_depth.set(self.ledger.queue_depth())
         self.wake.set()
@@ -292,8 +297,9 @@ class Service:
                 self.ledger.set_status(row.expert_id, "accepted", None)
             elif row.expert_id not in keep and row.status == "accepted":
                 self.ledger.set_status(row.expert_id, "unmerged", f"rolled back to version {version}")
-        self.ledger.record_fold("rollback", None, self.cfg.policy.name, {"from": before, "to": version}, time.time(),
-                                0.0, {}, {}, "accepted", f"operator rollback {before} -> {version}", version)
+        self.ledger.record_event("rollback", expert_id=None, policy=self.cfg.policy.name,
+                                 params={"from": before, "to": version}, decision="accepted",
+                                 reason=f"operator rollback {before} -> {version}", version=version)
         self.pipeline.show_current_probes()  # exactly version N's probes: no series of tasks it lacks
         self.tracker.submit("alias", {})
         self.metrics.operator_rollbacks.inc()

@@ -1,11 +1,8 @@
 """The version store: immutable ``versions/NNNNNN/``, an atomic ``current`` pointer, staging, retention.
 
-Layout under the state folder::
+The versions and ``current`` follow the layout of :mod:`mergestream.io.versions` (read there by the
+feed builder and the CLI without the daemon). Besides them, under the state folder::
 
-    versions/000001/model/        the backbone (sharded safetensors + the base's config/tokenizer)
-    versions/000001/state/        the policy state after this version (mergestream.io.state layout)
-    versions/000001/fold.json     what produced it: expert, policy, parameters, probes, decision
-    current -> versions/000001    symlink, switched with rename(2) + fsync of the folder
     staging/<name>/               candidates being built; removed at start-up (stale after a crash)
     experts/<id>/<name>           every accepted expert as it arrived (:class:`KeptExperts`)
     ri/<id>/                      an accepted expert's RI-adapted copy (:mod:`.prestep`)
@@ -24,13 +21,14 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from filelock import FileLock, Timeout
 
 from ..errors import MergestreamError, StateError
 from ..io.st import fsync_dir, link_or_copy
 from ..io.state import StateDir
+from ..io.versions import Versions
 
 log = logging.getLogger(__name__)
 
@@ -39,22 +37,31 @@ class LockedError(MergestreamError):
     """Another daemon holds this state folder."""
 
 
-class Store:
-    """Versions, ``current`` and staging inside ``state_dir``."""
+class Publisher(Protocol):
+    """Told after each local switch of ``current`` (publish, rollback), e.g. the object-storage
+    mirror (:class:`mergestream.daemon.mirror.Mirror`) or the signed feed
+    (:class:`mergestream.daemon.feed_publish.FeedPublisher`)."""
 
-    def __init__(self, state_dir: str | os.PathLike):
-        self.root = Path(state_dir)
-        self.versions_dir = self.root / "versions"
+    def point(self, number: int, folder: Path) -> None:
+        """``current`` is now version ``number`` (its folder ``versions/NNNNNN``). Must never raise:
+        the local commit is done, and a publisher's failure never touches the store."""
+
+
+class Store(Versions):
+    """Versions, ``current`` and staging inside ``state_dir``; the read side is :class:`Versions`.
+
+    Args:
+        state_dir: the daemon's state folder.
+        publishers: told in order after every switch of ``current`` (see :class:`Publisher`);
+            more can be appended to :attr:`publishers` before the daemon starts.
+    """
+
+    def __init__(self, state_dir: str | os.PathLike, publishers: list[Publisher] | None = None):
+        super().__init__(state_dir)
         self.staging_dir = self.root / "staging"
-        self.current_link = self.root / "current"
         self.kept = KeptExperts(self.root)
         self._lock: FileLock | None = None
-        #: told after each local switch of ``current`` (publish, rollback): ``mirror.point(number,
-        #: folder)``, e.g. :class:`mergestream.daemon.mirror.Mirror`; it must never raise. None: no mirror.
-        self.mirror = None
-        #: the same hook for the signed update feed (:class:`mergestream.daemon.feed_publish.FeedPublisher`:
-        #: ``feed.point(number, folder)``, returns at once, never raises). None: no feed.
-        self.feed = None
+        self.publishers: list[Publisher] = list(publishers or [])
 
     # -- locking ----------------------------------------------------------------------------------
     def lock(self) -> None:
@@ -93,31 +100,9 @@ class Store:
         return False
 
     # -- versions -----------------------------------------------------------------------------------
-    def numbers(self) -> list[int]:
-        if not self.versions_dir.exists():
-            return []
-        return sorted(int(p.name) for p in self.versions_dir.iterdir() if p.name.isdigit())
-
     def next_number(self) -> int:
         """The number the next published version will get."""
         return (self.numbers() or [0])[-1] + 1
-
-    def path(self, number: int) -> Path:
-        return self.versions_dir / f"{number:06d}"
-
-    def current(self) -> int | None:
-        """The current version number, or None before the first publish."""
-        if not self.current_link.is_symlink():
-            return None
-        return int(Path(os.readlink(self.current_link)).name)
-
-    def current_path(self) -> Path | None:
-        n = self.current()
-        return None if n is None else self.path(n)
-
-    def fold_json(self, number: int) -> dict[str, Any]:
-        p = self.path(number) / "fold.json"
-        return json.loads(p.read_text()) if p.exists() else {}
 
     def new_staging(self) -> Path:
         self.staging_dir.mkdir(parents=True, exist_ok=True)
@@ -178,10 +163,8 @@ class Store:
         os.symlink(os.path.join("versions", f"{number:06d}"), tmp)
         os.replace(tmp, self.current_link)
         fsync_dir(self.root)
-        if self.mirror is not None:  # after the local commit: a mirror failure never touches the store
-            self.mirror.point(number, self.path(number))
-        if self.feed is not None:
-            self.feed.point(number, self.path(number))
+        for publisher in self.publishers:  # after the local commit: a publisher never touches the store
+            publisher.point(number, self.path(number))
 
     def retain(self, keep: int, protect: set[int] | None = None) -> list[int]:
         """Delete all but the newest ``keep`` versions; ``current`` and ``protect`` are never deleted."""

@@ -28,7 +28,6 @@ import torch
 
 from ..errors import CorruptCheckpointError, MergestreamError, OutputExistsError, PolicyError, StateError
 from ..io.checkpoints import (
-    DEFAULT_SHARD_BYTES,
     Checkpoint,
     default_expert_id,
     is_float_dtype,
@@ -44,8 +43,10 @@ from ..policies import Policy, cmaes_coefficients, make_policy, stability_penalt
 from . import residuals
 from ._alloc import pin_mmap_threshold
 from .coefficients import LayerObjective, learn_layer_coefficients, write_learned_state
+from .executors import TensorMap
 from .fold_tensor import FoldSinks, FoldSpec, MergeSpec, TensorFolder, TensorMerger
 from .inspection import resolve_device
+from .options import DEFAULT_OPTIONS, ExecOptions
 from .passes import (
     NO_HASH,
     ExpertLoader,
@@ -72,33 +73,28 @@ Objective = Callable[[np.ndarray, Callable[[], Iterator[tuple[str, torch.Tensor]
 
 def fold(base: str | os.PathLike, backbone: str | os.PathLike | None, expert: str | os.PathLike,
          policy: str | Policy, params: dict[str, Any] | None = None, *, state_dir: str | os.PathLike,
-         out: str | os.PathLike, expert_id: str | None = None, device: str = "cpu", threads: int | None = 1,
-         max_shard_bytes: int = DEFAULT_SHARD_BYTES, objective: Objective | LayerObjective | None = None,
-         overwrite: bool = False, progress: bool = False, expect_sha256: str | None = None,
-         tensor_hook: Callable[[str], None] | None = None, executor: Any = None) -> FoldReport:
+         out: str | os.PathLike, expert_id: str | None = None, objective: Objective | LayerObjective | None = None,
+         expect_sha256: str | None = None, tensor_hook: Callable[[str], None] | None = None,
+         options: ExecOptions | None = None) -> FoldReport:
     """Fold one expert into the backbone: θ_t = θ_{t−1} + Δ_t, tensor by tensor, reading it once.
 
     Args:
         base: θ₀ (file or folder). backbone: θ_{t−1}; None (or θ₀ itself) for the first fold.
         expert: dense checkpoint or PEFT LoRA adapter folder.
-        policy: a registered name (with ``params``) or a :class:`Policy`.
+        policy: a registered name (with ``params``) or a :class:`Policy` (``params`` then unused).
         state_dir: the policy state folder (created at the first fold, updated atomically).
-        out: output folder (must not exist unless ``overwrite``); staged and renamed into place.
+        out: output folder (must not exist unless ``options.overwrite``); staged and renamed into place.
         expert_id: defaults to :func:`~mergestream.io.checkpoints.default_expert_id`.
-        device: where the math runs (``cpu`` or ``cuda[:i]``); tensors are streamed from CPU.
-        threads: worker threads (None or 0: :func:`~mergestream.engine.stream.default_threads`); peak
-            memory grows by a few tensors per thread.
-        max_shard_bytes: output shard cap (bytes).
         objective: for a policy that searches coefficients: ``mdm_oc`` with ``coefficients=cmaes``
             (an :data:`Objective`) or ``coefficients=adamerging`` (a differentiable
             :data:`~mergestream.engine.coefficients.LayerObjective`).
-        progress: show a progress bar on a terminal.
         expect_sha256: the content hash the caller recorded (the daemon's ledger); a fold whose
             expert hashes differently (changed since) is refused before anything is committed.
         tensor_hook: called with each tensor name before it is folded (tests, stop requests); with
             a remote executor, on the driver as each tensor is read.
-        executor: None (local threads) or an executor of :mod:`mergestream.engine.executors` that maps
-            the float tensors elsewhere (e.g. Ray); the output and the state are the same bytes.
+        options: how it runs (device, threads, shard cap, executor, progress, overwrite; see
+            :class:`~mergestream.engine.options.ExecOptions`); None: the defaults. The output and
+            the state are the same bytes whatever the executor.
 
     Returns:
         :class:`FoldReport`.
@@ -113,13 +109,14 @@ def fold(base: str | os.PathLike, backbone: str | os.PathLike | None, expert: st
     """
     pin_mmap_threshold()
     t0 = time.perf_counter()
+    opts = options or DEFAULT_OPTIONS
     pol = policy if isinstance(policy, Policy) else make_policy(policy, params)
-    dev = resolve_device(device)
+    dev = resolve_device(opts.device)
     sd = StateDir(state_dir)
     man = sd.manifest
     if man.policy is not None and man.policy != pol.name and man.folds:
         raise PolicyError(f"state {sd.path} belongs to policy {man.policy!r}, not {pol.name!r}")
-    if Path(out).exists() and not overwrite:
+    if Path(out).exists() and not opts.overwrite:
         raise OutputExistsError(f"{out} already exists; choose a new output path")
     base_ck, cur = open_base_and_backbone(base, backbone)
     eid = expert_id or default_expert_id(expert)
@@ -139,26 +136,25 @@ def fold(base: str | os.PathLike, backbone: str | os.PathLike | None, expert: st
     exp = open_expert(expert, base_ck)
     try:
         validate_against_base(base_ck, exp, role="expert", deep=False)
-        lin = pol.linear_scale() if isinstance(exp, DenseExpert) else None
         # read ahead into pooled buffers, one per worker and one in flight: fresh tensor-sized pages
         # per expert tensor cost more page faults than the math of the element-wise policies (and
         # about a tenth of MDM-OC's fold), for one largest tensor per worker of memory
-        buffers = worker_threads(threads) + 1
+        buffers = worker_threads(opts.threads) + 1
         ties = tied_groups(base_ck)
         aliases = kept_ties(ties, [*([] if cur is base_ck else [cur.get]), _tensor_reader(exp, base_ck)],
                             f"expert {exp.path}") if ties else {}
         loader = ExpertLoader(exp, base_ck, aliases, f"expert {exp.path}", buffers)
         loader.untied = aliases != ties
-        return _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, dev, threads,
-                          max_shard_bytes, objective, overwrite, progress, expect_sha256, tensor_hook, t0, executor)
+        return _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, dev, opts, objective,
+                          expect_sha256, tensor_hook, t0)
     finally:
         exp.close()
         base_ck.close()
         cur.close()
 
 
-def _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, dev, threads, max_shard_bytes,
-               objective, overwrite, progress, expect_sha256, tensor_hook, t0, executor=None) -> FoldReport:
+def _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, dev, opts: ExecOptions, objective,
+               expect_sha256, tensor_hook, t0) -> FoldReport:
     first = cur is base_ck
     n_prev = len(man.folds)
     aliases = loader.aliases
@@ -175,11 +171,11 @@ def _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, 
     state_writer = AppendWriter(state_path, header_bytes=residuals.header_room(metas, 4))
     contrib = residuals.ResidualWriter(contrib_path, metas, eid, recompute_lambda=lin,
                                        expert_path=_abs(expert)) if store_contrib else None
-    bar = Progress(sum(m.nbytes for m in metas), len(metas), f"fold {eid}", progress)
+    bar = Progress(sum(m.nbytes for m in metas), len(metas), f"fold {eid}", opts.progress)
     try:
-        with staged_output(out, overwrite=overwrite) as stage:
+        with staged_output(out, overwrite=opts.overwrite) as stage:
             planned = [{"id": f.id, "sha256": f.sha256} for f in man.folds] + [{"id": eid, "sha256": NO_HASH}]
-            writer = ModelWriter(stage, metas, provenance(pol, planned, base_ck), max_shard_bytes)
+            writer = ModelWriter(stage, metas, provenance(pol, planned, base_ck), opts.max_shard_bytes)
             try:
                 sinks = FoldSinks(writer, state_writer, contrib, stats)
                 folder = TensorFolder(pol, base_ck, cur, exp, sd.tensor_state, aliases, loader.where, n_prev,
@@ -192,16 +188,16 @@ def _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, 
                 # for the loader after each tensor (MDM-OC's 1 GiB fold 9.3 -> 7.6 s); it costs one
                 # stored tensor of memory. Whole-tensor policies hold several float32 copies of each
                 # tensor: the largest tensor runs alone, smaller ones in parallel (the budget)
-                with shared_cores(1 if lin is not None else worker_threads(threads), dev):
-                    if executor is not None:  # the float tensors' map elsewhere; frozen ones, order, hash here
-                        spec = FoldSpec(pol, _abs(base), None if first else _abs(cur.path), _abs(expert),
-                                        _abs(sd.path), aliases, loader.where, n_prev, prev_coeffs, str(dev),
-                                        torch.get_num_threads())
-                        executor.fold(spec, loader, work, sinks, progress=bar, hook=tensor_hook)
-                    else:
-                        run_stream(loader.names, loader.load, work, threads=worker_threads(threads), progress=bar,
-                                   prefetch=1, sizes=lambda n: base_ck.meta(n).nbytes,
-                                   release=loader.release, budget=None if lin is not None else largest(metas))
+                with shared_cores(1 if lin is not None else worker_threads(opts.threads), dev):
+                    # a remote executor maps the float tensors elsewhere (from the spec); frozen ones,
+                    # the order and the hash stay here
+                    spec = FoldSpec(pol, _abs(base), None if first else _abs(cur.path), _abs(expert),
+                                    _abs(sd.path), aliases, loader.where, n_prev, prev_coeffs, str(dev),
+                                    torch.get_num_threads())
+                    tasks = opts.executor.map(TensorMap(
+                        loader.names, loader.load, work, sinks, spec, base_ck, threads=worker_threads(opts.threads),
+                        prefetch=1, release=loader.release, budget=None if lin is not None else largest(metas),
+                        progress=bar, hook=tensor_hook))
                 sha = exp.sha256() if not loader.dense else loader.reader.sha256()
                 if expect_sha256 is not None and sha != expect_sha256:
                     raise CorruptCheckpointError(
@@ -227,7 +223,7 @@ def _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, 
                     coeffs, found = _optimise_coefficients(pol, base_ck, state_path, coeffs, list(prev_coeffs),
                                                            objective, dev)
                 if search:
-                    _rewrite_from_state(pol, base_ck, state_path, coeffs, writer, dev, threads, aliases)
+                    _rewrite_from_state(pol, base_ck, state_path, coeffs, writer, dev, opts.threads, aliases)
                 finish_model(writer, base_ck, stage, contrib, untied=loader.untied)
             except BaseException:
                 writer.abort()
@@ -262,7 +258,7 @@ def _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, 
                         seconds=time.perf_counter() - t0, bytes_read=bytes_read,
                         bytes_written=writer.bytes_written, stats=stats.summary(),
                         coefficients=[float(c) for c in coeffs] if coeffs else None, search=found, sha256=[sha],
-                        tasks=[[b, s] for b, s in executor.tasks] if executor is not None else None)
+                        tasks=[[b, s] for b, s in tasks] if tasks is not None else None)
     log.info("fold expert=%s policy=%s seconds=%.2f out=%s", eid, pol.name, report.seconds, out)
     return report
 
@@ -347,22 +343,33 @@ def _rewrite_from_state(pol: Policy, base: Checkpoint, state_path: Path, coeffs:
 
 
 def merge(base: str | os.PathLike, experts: list[str | os.PathLike], policy: str | Policy,
-          params: dict[str, Any] | None = None, *, out: str | os.PathLike, device: str = "cpu",
-          threads: int | None = 1, max_shard_bytes: int = DEFAULT_SHARD_BYTES, overwrite: bool = False,
-          progress: bool = False, executor: Any = None) -> FoldReport:
+          params: dict[str, Any] | None = None, *, out: str | os.PathLike,
+          options: ExecOptions | None = None) -> FoldReport:
     """Offline merge of K experts at once: θ = θ₀ + policy.merge_tensor(θ₀, [τ₁..τ_K]).
 
-    Each expert is read once (hashed on the way; twice with a remote ``executor``, see
-    :mod:`mergestream.engine.executors`). Memory: K + 2 tensors per worker. Raises the same errors as
-    :func:`fold`.
+    Args:
+        base: θ₀ (file or folder). experts: dense checkpoints or PEFT LoRA adapter folders.
+        policy: a registered name (with ``params``) or a :class:`Policy`.
+        out: output folder (must not exist unless ``options.overwrite``); staged and renamed into place.
+        options: how it runs (:class:`~mergestream.engine.options.ExecOptions`); None: the defaults.
+
+    Each expert is read once (hashed on the way; twice with a remote ``options.executor``, see
+    :mod:`mergestream.engine.executors`). Memory: K + 2 tensors per worker.
+
+    Returns:
+        :class:`FoldReport`.
+
+    Raises:
+        MergestreamError: no experts. Otherwise the same errors as :func:`fold`.
     """
     pin_mmap_threshold()
     t0 = time.perf_counter()
+    opts = options or DEFAULT_OPTIONS
     pol = policy if isinstance(policy, Policy) else make_policy(policy, params)
-    dev = resolve_device(device)
+    dev = resolve_device(opts.device)
     if not experts:
         raise MergestreamError("merge needs at least one expert")
-    if Path(out).exists() and not overwrite:
+    if Path(out).exists() and not opts.overwrite:
         raise OutputExistsError(f"{out} already exists; choose a new output path")
     base_ck = open_checkpoint(base)
     exps = [open_expert(e, base_ck) for e in experts]
@@ -374,15 +381,15 @@ def merge(base: str | os.PathLike, experts: list[str | os.PathLike], policy: str
         loaders = [ExpertLoader(e, base_ck, aliases, f"expert {e.path}") for e in exps]
         metas = base_ck.metas()
         stats = Stats()
-        bar = Progress(sum(m.nbytes for m in metas), len(metas), "merge", progress)
+        bar = Progress(sum(m.nbytes for m in metas), len(metas), "merge", opts.progress)
 
         def load(name: str):
             items = [ld.load(name) if (not ld.dense or name in ld.reader.ckpt) else None for ld in loaders]
             return None if items[0] is None else items
 
-        with staged_output(out, overwrite=overwrite) as stage:
+        with staged_output(out, overwrite=opts.overwrite) as stage:
             planned = [{"id": default_expert_id(p), "sha256": NO_HASH} for p in experts]
-            writer = ModelWriter(stage, metas, provenance(pol, planned, base_ck), max_shard_bytes)
+            writer = ModelWriter(stage, metas, provenance(pol, planned, base_ck), opts.max_shard_bytes)
             try:
                 sinks = FoldSinks(writer, None, None, stats)
                 merger = TensorMerger(pol, base_ck, exps, [ld.where for ld in loaders], aliases, dev)
@@ -390,15 +397,12 @@ def merge(base: str | os.PathLike, experts: list[str | os.PathLike], policy: str
                 def work(name: str, items) -> None:
                     merger(name, items, sinks)
 
-                with shared_cores(worker_threads(threads), dev):
-                    if executor is not None:
-                        spec = MergeSpec(pol, _abs(base), [_abs(e) for e in experts], [ld.where for ld in loaders],
-                                         aliases, str(dev), torch.get_num_threads())
-                        executor.map(spec, canonical_order(base_ck), load, None, base_ck, work, sinks, progress=bar)
-                    else:
-                        run_stream(canonical_order(base_ck), load, work, threads=worker_threads(threads),
-                                   progress=bar, prefetch=0, sizes=lambda n: base_ck.meta(n).nbytes,
-                                   budget=largest(metas))
+                with shared_cores(worker_threads(opts.threads), dev):
+                    spec = MergeSpec(pol, _abs(base), [_abs(e) for e in experts], [ld.where for ld in loaders],
+                                     aliases, str(dev), torch.get_num_threads())
+                    opts.executor.map(TensorMap(canonical_order(base_ck), load, work, sinks, spec, base_ck,
+                                                threads=worker_threads(opts.threads), prefetch=0,
+                                                budget=largest(metas), progress=bar))
                 shas = [ld.reader.sha256() if ld.dense else e.sha256() for ld, e in zip(loaders, exps)]
                 records = [{"id": default_expert_id(p), "sha256": s} for p, s in zip(experts, shas)]
                 writer.set_metadata(provenance(pol, records, base_ck))

@@ -6,18 +6,18 @@ modes run on the streaming skeleton of :mod:`.stream`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from ..errors import CorruptCheckpointError, MergestreamError, StateError
-from ..io.checkpoints import DEFAULT_SHARD_BYTES, is_float_dtype, validate_against_base
+from ..io.checkpoints import is_float_dtype, validate_against_base
 from ..io.expert_readers import DenseExpert, open_expert
 from ..io.s3_checkpoint import is_s3_path
 from ..io.state import SEP, Manifest, StateDir, final_name
@@ -27,6 +27,7 @@ from . import linear_fold, residuals
 from ._alloc import pin_mmap_threshold
 from .folding import fold
 from .inspection import resolve_device
+from .options import DEFAULT_OPTIONS, ExecOptions
 from .passes import (
     ExpertLoader,
     FoldReport,
@@ -48,8 +49,7 @@ from .stream import Progress, run_stream
 
 def unmerge(state_dir: str | os.PathLike, expert_id: str, mode: str, *, out: str | os.PathLike,
             backbone: str | os.PathLike | None = None, base: str | os.PathLike | None = None,
-            device: str = "cpu", threads: int | None = 1, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-            overwrite: bool = False, progress: bool = False, executor: Any = None) -> FoldReport:
+            options: ExecOptions | None = None) -> FoldReport:
     """Remove one expert from the backbone the state describes.
 
     Modes:
@@ -70,10 +70,19 @@ def unmerge(state_dir: str | os.PathLike, expert_id: str, mode: str, *, out: str
     ``subtract`` of the most recent fold the state is the one before that fold, so the next fold
     equals the fold that would have come without it (byte for byte where the backbone is).
 
-    ``executor`` (:mod:`mergestream.engine.executors`; None: local threads) runs replay's folds; subtract
-    is one cheap element-wise pass and always runs locally.
+    Args:
+        state_dir: the state folder (updated atomically). expert_id: the fold to remove.
+        mode: ``subtract`` or ``replay`` (above). out: the new backbone's folder (must not exist
+            unless ``options.overwrite``). backbone, base: override the paths the state records.
+        options: how it runs (:class:`~mergestream.engine.options.ExecOptions`; None: the defaults).
+            ``options.executor`` runs replay's folds; subtract is one cheap element-wise pass and
+            always runs on local threads. Replay's folds show no progress bar.
+
+    Returns:
+        :class:`FoldReport` (``experts``: the remaining ones).
 
     Raises:
+        MergestreamError: an unknown ``mode``.
         StateError: unknown expert, missing contribution, ``subtract`` for a policy that cannot
             (:attr:`~mergestream.policies.base.Policy.subtract_unmerge`, e.g. Iso-C), or an expert
             file that is gone (replay; subtract of a Task Arithmetic fold).
@@ -90,18 +99,19 @@ def unmerge(state_dir: str | os.PathLike, expert_id: str, mode: str, *, out: str
         raise StateError(f"{sd.path}: no folds recorded (is this a state folder?)")
     k = man.index_of(expert_id)
     base = base or man.base
-    opts = dict(device=device, threads=threads, max_shard_bytes=max_shard_bytes, overwrite=overwrite)
+    opts = options or DEFAULT_OPTIONS
     if mode == "replay" or len(man.folds) == 1:  # removing the only fold: θ₀ itself, exactly
-        report = replay(sd, k, out=out, base=base, executor=executor, **opts)
+        report = replay(sd, k, out=out, base=base, options=opts)
     else:
-        report = subtract(sd, k, out=out, base=base, backbone=backbone or man.backbone, progress=progress, **opts)
+        report = subtract(sd, k, out=out, base=base, backbone=backbone or man.backbone, options=opts)
     report.seconds = time.perf_counter() - t0
     return report
 
 
-def subtract(sd: StateDir, k: int, *, out, base, backbone, device, threads, max_shard_bytes, overwrite,
-             progress: bool = False) -> FoldReport:
-    """θ − Δ_k for every tensor (see :func:`unmerge`); updates ``sd``."""
+def subtract(sd: StateDir, k: int, *, out, base, backbone, options: ExecOptions) -> FoldReport:
+    """θ − Δ_k for every tensor (see :func:`unmerge`) on local threads (``options.executor`` is not
+    used); updates ``sd``."""
+    device, threads, overwrite = options.device, options.threads, options.overwrite
     man = sd.manifest
     pol = make_policy(man.policy, man.folds[k].params)
     if not pol.subtract_unmerge:
@@ -145,10 +155,10 @@ def subtract(sd: StateDir, k: int, *, out, base, backbone, device, threads, max_
     state_writer = AppendWriter(state_path, header_bytes=residuals.header_room(metas, 4))
     lock = threading.Lock()
     stats = Stats()
-    bar = Progress(sum(m.nbytes for m in metas), len(metas), f"unmerge {man.folds[k].id}", progress)
+    bar = Progress(sum(m.nbytes for m in metas), len(metas), f"unmerge {man.folds[k].id}", options.progress)
     try:
         with staged_output(out, overwrite=overwrite) as stage:
-            writer = ModelWriter(stage, metas, provenance(pol, records, base_ck), max_shard_bytes)
+            writer = ModelWriter(stage, metas, provenance(pol, records, base_ck), options.max_shard_bytes)
             try:
                 def load(name: str):
                     """``(expert tensor or None, θ or None)``; None for an alias written with its primary."""
@@ -247,9 +257,9 @@ def _check_kept_expert(rec, loader: ExpertLoader) -> None:
             "use --mode replay")
 
 
-def replay(sd: StateDir, k: int, *, out, base, device, threads, max_shard_bytes, overwrite,
-           executor: Any = None) -> FoldReport:
-    """Refold every expert but ``k`` from θ₀ (see :func:`unmerge`); updates ``sd``."""
+def replay(sd: StateDir, k: int, *, out, base, options: ExecOptions) -> FoldReport:
+    """Refold every expert but ``k`` from θ₀ (see :func:`unmerge`) with ``options`` (no progress
+    bar; only the last fold, into ``out``, may overwrite); updates ``sd``."""
     man = sd.manifest
     remaining = [f for i, f in enumerate(man.folds) if i != k]
     for f in remaining:
@@ -263,13 +273,13 @@ def replay(sd: StateDir, k: int, *, out, base, device, threads, max_shard_bytes,
         for i, f in enumerate(remaining):
             params = make_policy(man.policy, f.params).refold_params(f.coefficient)  # no objective here
             step_out = Path(out) if i == len(remaining) - 1 else work / f"step-{i}"
+            step = dataclasses.replace(options, progress=False, overwrite=options.overwrite and step_out == Path(out))
             report = fold(base, backbone, f.expert, man.policy, params, state_dir=tmp_state, out=step_out,
-                          expert_id=f.id, device=device, threads=threads, max_shard_bytes=max_shard_bytes,
-                          overwrite=overwrite and step_out == Path(out),
-                          expect_sha256=f.sha256 if f.sha256_kind == "weights" else None, executor=executor)
+                          expert_id=f.id, expect_sha256=f.sha256 if f.sha256_kind == "weights" else None,
+                          options=step)
             backbone = step_out
         if report is None:  # removing the only expert: the backbone is θ₀ again
-            report = copy_base(base, out, overwrite, max_shard_bytes, threads)
+            report = copy_base(base, out, options.overwrite, options.max_shard_bytes, options.threads)
             pol = make_policy(man.policy, man.folds[k].params)
             report.policy, report.params = pol.name, pol.describe()
             new_man = Manifest(policy=man.policy, base=man.base, base_tensors=man.base_tensors,

@@ -11,6 +11,11 @@ A feed is a static folder any HTTP server, CDN or bucket can serve::
 
 Each target carries ``custom.mergestream`` (see :mod:`mergestream.feed.layout`): a patch names its
 from/to versions and weights hashes, a model file its version and weights hash, ``latest.json``
-the version and weights hash every device should converge to. Keys: :mod:`.keys`; building:
-:mod:`.build`; the command group: :mod:`.cli`. The device side is :mod:`mergestream.agent`.
+the version and weights hash every device should converge to.
+
+The fleet contract (standard library only; the device agent imports it): :mod:`.layout` (target
+names, custom fields, durations) and :mod:`.plan` (the shortest verified path to ``latest``). The
+publisher side: :mod:`.keys`, :mod:`.build` (reads the daemon's versions through
+:mod:`mergestream.io.versions`, never the daemon), the command group :mod:`.cli`. The device side
+is :mod:`mergestream.agent`, which imports this package and never the reverse.
 """

@@ -1,6 +1,6 @@
 """Build (or advance) a signed feed from the daemon's published versions.
 
-:func:`build_feed` reads the version store (:class:`mergestream.daemon.store.Store`: every kept
+:func:`build_feed` reads the published versions (:class:`mergestream.io.versions.Versions`: every kept
 ``versions/N/model/`` and ``versions/N/patch-from-<M>.safetensors``) and writes a TUF repository
 (python-tuf's Metadata API; layout in :mod:`mergestream.feed`) into ``out``:
 
@@ -47,13 +47,13 @@ from tuf.api.metadata import (
 )
 from tuf.api.serialization.json import JSONSerializer
 
-from ..agent.plan import Target, shortest
-from ..daemon.store import Store
 from ..errors import MergestreamError
 from ..io.st import aux_files, fsync_dir, link_or_copy, read_header
-from ..patches import PATCH_FORMAT_2, Weights
+from ..io.versions import Versions
+from ..patches import PatchFormat, Weights
 from . import keys as feed_keys
 from .layout import CUSTOM_KEY, LATEST, custom_of, model_path, patch_path
+from .plan import Target, shortest
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ def _root(meta_dir: Path, keys_dir: Path, expires: timedelta) -> tuple[Metadata,
     return md, True
 
 
-def _collect(store: Store, keep: int | None) -> tuple[list[int], dict[int, Path]]:
+def _collect(store: Versions, keep: int | None) -> tuple[list[int], dict[int, Path]]:
     nums = store.numbers()
     if not nums:
         raise FeedBuildError(f"{store.versions_dir}: no published version to put in a feed")
@@ -165,11 +165,11 @@ def build_feed(state_dir: str | os.PathLike, out: str | os.PathLike, keys_dir: s
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out / ".lock")):
-        return _build(Store(state_dir), out, Path(keys_dir), latest, keep, {**DEFAULT_EXPIRES, **(expires or {})},
+        return _build(Versions(state_dir), out, Path(keys_dir), latest, keep, {**DEFAULT_EXPIRES, **(expires or {})},
                       patch_format, zstd_level)
 
 
-def _build(store: Store, out: Path, keys_dir: Path, latest: int | None, keep: int | None,
+def _build(store: Versions, out: Path, keys_dir: Path, latest: int | None, keep: int | None,
            exp: dict[str, timedelta], patch_format: int, zstd_level: int | None) -> dict[str, Any]:
     meta_dir, targets_dir = out / "metadata", out / "targets"
     nums, models = _collect(store, keep)
@@ -203,13 +203,13 @@ def _build(store: Store, out: Path, keys_dir: Path, latest: int | None, keep: in
     for n in nums:
         for p in sorted(store.path(n).glob("patch-from-*.safetensors")):
             src = int(p.name.removeprefix("patch-from-").removesuffix(".safetensors"))
-            if patch_format == 2 and (store.path(src) / "model").is_dir() \
-                    and read_header(p).metadata.get("patch_format") != PATCH_FORMAT_2:  # not already format 2
+            if patch_format == PatchFormat.BITMASKS and (store.path(src) / "model").is_dir() \
+                    and read_header(p).metadata.get("patch_format") != PatchFormat.BITMASKS.tag:  # not yet format 2
                 from ..patches.build import build_patch
 
                 p2 = work / p.name.replace("patch-from", f"{n:06d}-from")
                 build_patch(store.path(src) / "model", models[n], p2, source_version=str(src), target_version=str(n),
-                            policy=store.fold_json(n).get("policy", ""), overwrite=True, patch_format=2,
+                            policy=store.fold_json(n).get("policy", ""), overwrite=True, patch_format=PatchFormat.BITMASKS,
                             zstd_level=zstd_level)
                 p = p2
             md = read_header(p).metadata

@@ -13,6 +13,7 @@ from datetime import timedelta
 import click
 
 from ..errors import MergestreamError
+from ..patches.codec import FORMAT_NUMBERS
 from .layout import parse_duration
 
 
@@ -67,7 +68,7 @@ def keygen_cmd(keys_dir: str) -> None:
 @click.option("--snapshot-expires", default="7d", show_default=True)
 @click.option("--targets-expires", default="90d", show_default=True)
 @click.option("--root-expires", default="365d", show_default=True)
-@click.option("--patch-format", type=click.Choice(["1", "2"]), default="1", show_default=True,
+@click.option("--patch-format", type=click.Choice([str(n) for n in FORMAT_NUMBERS]), default="1", show_default=True,
               help="2: re-encode the patches with bitmasks (smaller for sparse folds)")
 @click.option("--zstd", "zstd_level", type=click.IntRange(1, 22), help="format 2: zstd level for each payload")
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")

@@ -72,10 +72,8 @@ from ..io.st import (
     read_into,
     u64le,
 )
-from .codec import MASK, decode_mask, decompress, logical_entries
+from .codec import MASK, PatchFormat, decode_mask, decompress, logical_entries
 
-PATCH_FORMAT = "mergestream-patch/1"
-PATCH_FORMAT_2 = "mergestream-patch/2"
 INDEX_SUFFIX = ".safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 #: Files never copied as "non-weight files" of a model folder.
@@ -353,10 +351,10 @@ def read_patch(patch_path: str | os.PathLike) -> Patch:
         raise PatchError(f"{where}: no such file")
     hdr = read_header(path)
     meta = hdr.metadata
-    fmt = meta.get("patch_format")
-    if fmt not in (PATCH_FORMAT, PATCH_FORMAT_2):
-        raise PatchError(f"{where}: not a mergestream patch (patch_format {fmt!r}, expected {PATCH_FORMAT!r} "
-                         f"or {PATCH_FORMAT_2!r})")
+    fmt = PatchFormat.of_tag(meta.get("patch_format"))
+    if fmt is None:
+        raise PatchError(f"{where}: not a mergestream patch (patch_format {meta.get('patch_format')!r}, expected "
+                         + " or ".join(repr(f.tag) for f in PatchFormat) + ")")
     for key in ("source_sha256", "target_sha256", "payload_sha256", "payload_bytes"):
         if key not in meta:
             raise PatchError(f"{where}: metadata {key!r} is missing")
@@ -415,7 +413,7 @@ def read_patch(patch_path: str | os.PathLike) -> Patch:
     indices: dict[str, TensorEntry] = {}
     values: dict[str, TensorEntry] = {}
     masks: dict[str, TensorEntry] = {}
-    entries, compressed = logical_entries(hdr, fmt == PATCH_FORMAT, where)
+    entries, compressed = logical_entries(hdr, fmt is PatchFormat.INDEX_LISTS, where)
     for e in entries:
         for prefix, bucket in ((DENSE, dense), (SPARSE_INDICES, indices), (SPARSE_VALUES, values), (MASK, masks)):
             if e.name.startswith(prefix):

@@ -32,11 +32,10 @@ from ..errors import MergestreamError, OutputExistsError
 from ..io.st import WEIGHTS_HASH_TAG, TensorEntry, encode_header, u64le
 from . import (
     DENSE,
-    PATCH_FORMAT,
-    PATCH_FORMAT_2,
     SPARSE_INDICES,
     SPARSE_VALUES,
     PatchError,
+    PatchFormat,
     Weights,
     canonical_header,
 )
@@ -187,9 +186,13 @@ def build_patch(src_model_dir: str | os.PathLike, dst_model_dir: str | os.PathLi
         PatchBuildError: a model cannot be read (missing, truncated, malformed).
     """
     out = Path(out_file)
-    if patch_format not in (1, 2) or (zstd_level is not None and patch_format != 2):
-        raise PatchBuildError(f"patch format {patch_format} with zstd level {zstd_level}: formats are 1 and 2, "
-                              "zstd needs format 2")
+    try:
+        patch_format = PatchFormat(patch_format)
+    except ValueError:
+        raise PatchBuildError(f"patch format {patch_format}: the formats are "
+                              + ", ".join(str(f.value) for f in PatchFormat)) from None
+    if zstd_level is not None and patch_format is not PatchFormat.BITMASKS:
+        raise PatchBuildError(f"patch format {patch_format.value} with zstd level {zstd_level}: zstd needs format 2")
     if out.exists() and not overwrite:
         raise OutputExistsError(f"{out} already exists; choose a new output path")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -220,13 +223,13 @@ def build_patch(src_model_dir: str | os.PathLike, dst_model_dir: str | os.PathLi
                     if de is None:
                         removed.append(name)
                     elif se is None or (se.dtype, se.shape) != (de.dtype, de.shape):
-                        if patch_format == 2:
+                        if patch_format is PatchFormat.BITMASKS:
                             spool.put(DENSE + name, de.dtype, list(de.shape), d, zstd_level)
                         else:
                             spool.begin(DENSE + name, de.dtype, list(de.shape))
                             spool.write(DENSE + name, d)
                         counts["added" if se is None else "dense"] += 1
-                    elif patch_format == 2:
+                    elif patch_format is PatchFormat.BITMASKS:
                         counts[_encode_tensor_v2(spool, name, s, d, de, zstd_level)] += 1
                     else:
                         counts[_encode_tensor(spool, name, s, d, de)] += 1
@@ -239,7 +242,7 @@ def build_patch(src_model_dir: str | os.PathLike, dst_model_dir: str | os.PathLi
                      "tensors_added": counts["added"], "tensors_removed": len(removed),
                      "tensors_unchanged": counts["unchanged"]}
             meta = {
-                "patch_format": PATCH_FORMAT if patch_format == 1 else PATCH_FORMAT_2,
+                "patch_format": patch_format.tag,
                 "source_version": str(source_version),
                 "target_version": str(target_version),
                 "source_sha256": h_src.hexdigest(),

@@ -18,6 +18,8 @@ from typing import NoReturn
 
 import click
 
+from .codec import FORMAT_NUMBERS
+
 EXIT_BAD_INPUT = 2
 
 
@@ -61,7 +63,7 @@ def apply_patch_cmd(model_dir: str, patch: str, out: str, as_json: bool) -> None
 @click.option("--source-version", help="recorded source version (default: the source folder's name)")
 @click.option("--target-version", help="recorded target version (default: the target folder's name)")
 @click.option("--policy", default="", help="recorded policy (default: the target's mergestream.policy metadata)")
-@click.option("--format", "patch_format", type=click.Choice(["1", "2"]), default="1", show_default=True,
+@click.option("--format", "patch_format", type=click.Choice([str(n) for n in FORMAT_NUMBERS]), default="1", show_default=True,
               help="1: index lists (every apply-patch reads it); 2: bitmasks for denser changes (smaller)")
 @click.option("--zstd", "zstd_level", type=click.IntRange(1, 22), help="format 2: zstd level of each payload")
 @click.option("--json", "as_json", is_flag=True, help="print the statistics as JSON")

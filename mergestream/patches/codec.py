@@ -1,4 +1,5 @@
-"""Payload encodings of patch format 2: changed-entry bitmasks and optional zstd (numpy only).
+"""The patch formats (:class:`PatchFormat`, named once) and the payload encodings of format 2:
+changed-entry bitmasks and optional zstd (numpy only).
 
 Used by both sides of :mod:`mergestream.patches` (apply) and :mod:`mergestream.patches.build`
 (build); ``zstandard`` is imported only when a payload is compressed.
@@ -19,6 +20,7 @@ zstd (``zstd/<payload name>``, ``U8``, shape ``[compressed bytes]``)
 
 from __future__ import annotations
 
+import enum
 import json
 
 import numpy as np
@@ -27,6 +29,28 @@ from ..io.st import DTYPE_SIZES, FormatError, Header, TensorEntry
 
 MASK = "sparse.mask/"
 ZSTD = "zstd/"
+
+
+class PatchFormat(enum.IntEnum):
+    """The patch formats, named once: the number an operator chooses (``--format``, the config's
+    ``patch_format``) and, as :attr:`tag`, the ``patch_format`` metadata a patch file carries."""
+
+    INDEX_LISTS = 1  #: dense or index/value payloads; every agent applies it
+    BITMASKS = 2  #: adds changed-entry bitmasks and zstd payloads (this module)
+
+    @property
+    def tag(self) -> str:
+        """The ``patch_format`` metadata value, e.g. ``"mergestream-patch/2"``."""
+        return f"mergestream-patch/{self.value}"
+
+    @classmethod
+    def of_tag(cls, tag: object) -> PatchFormat | None:
+        """The format whose :attr:`tag` is ``tag``; None for anything else (not a patch we know)."""
+        return next((f for f in cls if f.tag == tag), None)
+
+
+#: the format numbers, ascending (config ``Literal``, CLI choices)
+FORMAT_NUMBERS: tuple[int, ...] = tuple(f.value for f in PatchFormat)
 
 
 def mask_bytes(numel: int) -> int:

@@ -1,6 +1,8 @@
-"""Executors of a fold's per-tensor map: local threads (the default, :func:`~mergestream.engine.stream.run_stream`)
-or a Ray cluster (the optional extra ``mergestream[ray]``; :mod:`.ray_cluster`, the only module that
-imports ``ray``).
+"""Executors of a pass's per-tensor map: local threads (the default, :class:`LocalExecutor` on
+:func:`~mergestream.engine.stream.run_stream`) or a Ray cluster (the optional extra
+``mergestream[ray]``; :mod:`.ray_cluster`, the only module that imports ``ray``). Both implement
+the :class:`Executor` protocol: the fold and the offline merge describe their map as a
+:class:`TensorMap` and hand it to ``options.executor.map`` (:class:`~mergestream.engine.options.ExecOptions`).
 
 Design: the driver (the process calling :func:`mergestream.engine.fold`) plans the output, reads the
 expert in canonical order (its content hash, the frozen-tensor checks, tied tensors), folds the
@@ -35,14 +37,15 @@ from __future__ import annotations
 from typing import Any
 
 from ...errors import MergestreamError
+from .base import Executor, LocalExecutor, TensorMap
 
 #: executor kinds accepted by the CLI (``--executor``) and the daemon config (``executor.kind``)
 KINDS = ("local", "ray")
 
 
-def make_executor(kind: str = "local", address: str | None = None, **options: Any) -> Any:
-    """The executor for ``kind``: None for ``local`` (the engine's own threads), a
-    :class:`~mergestream.engine.executors.ray_cluster.RayExecutor` for ``ray``.
+def make_executor(kind: str = "local", address: str | None = None, **options: Any) -> Executor:
+    """The executor for ``kind``: a :class:`LocalExecutor` for ``local`` (the engine's own threads),
+    a :class:`~mergestream.engine.executors.ray_cluster.RayExecutor` for ``ray``.
 
     Args:
         kind: ``local`` or ``ray``. address: the Ray cluster (``auto``, ``ray://host:10001``,
@@ -53,7 +56,7 @@ def make_executor(kind: str = "local", address: str | None = None, **options: An
         MergestreamError: unknown kind, or ``ray`` without the ``ray`` package installed.
     """
     if kind == "local":
-        return None
+        return LocalExecutor()
     if kind != "ray":
         raise MergestreamError(f"unknown executor {kind!r}; known: {', '.join(KINDS)}")
     try:
@@ -62,3 +65,6 @@ def make_executor(kind: str = "local", address: str | None = None, **options: An
         raise MergestreamError("executor ray needs the ray extra: pip install -c constraints.txt -e '.[ray]' "
                                "from the checkout") from exc
     return RayExecutor(address, **options)
+
+
+__all__ = ["KINDS", "Executor", "LocalExecutor", "TensorMap", "make_executor"]

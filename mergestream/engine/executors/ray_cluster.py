@@ -12,13 +12,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
 
 import ray
 import torch
 
-from ..fold_tensor import FoldSinks, FoldSpec, MergeSpec, runs_on_driver
+from ..fold_tensor import FoldSpec, MergeSpec, runs_on_driver
 from ..stream import clear_scratch
+from .base import TensorMap
 from .recording import Recorder, replay
 
 log = logging.getLogger("mergestream.engine.executors")
@@ -46,7 +46,8 @@ def _fold_group(spec: FoldSpec | MergeSpec, names: list[str], with_residuals: bo
 
 
 class RayExecutor:
-    """Run a fold's per-tensor map on a Ray cluster (see :mod:`mergestream.engine.executors`).
+    """Run a pass's per-tensor map on a Ray cluster: the :class:`~mergestream.engine.executors.Executor`
+    of ``executor: ray`` / ``--executor ray`` (see :mod:`mergestream.engine.executors`).
 
     Args:
         address: the cluster (``auto``, ``ray://head:10001``, ``head:6379``); None: join the cluster
@@ -87,33 +88,26 @@ class RayExecutor:
                     signal.signal(sig, handler)
         return max(1, int(ray.cluster_resources().get("CPU", 1)))
 
-    def fold(self, spec: FoldSpec, loader: Any, work: Callable[[str, Any], None], sinks: FoldSinks,
-             progress: Any = None, hook: Callable[[str], None] | None = None) -> None:
-        """The map of :func:`mergestream.engine.folding.fold` on Ray: :meth:`map` with the fold's
-        :class:`~mergestream.engine.passes.ExpertLoader` (read here, in order: the content hash, the frozen
-        checks)."""
-        self.map(spec, loader.names, loader.load, loader.release, loader.base, work, sinks, progress, hook)
-
-    def map(self, spec: FoldSpec | MergeSpec, names: list[str], load: Callable[[str], Any],
-            release: Callable[[Any], None] | None, base: Any, work: Callable[[str, Any], None], sinks: FoldSinks,
-            progress: Any = None, hook: Callable[[str], None] | None = None) -> None:
+    def map(self, job: TensorMap) -> list[tuple[int, float]]:
         """Map a pass's float tensors onto Ray tasks; the driver loads every tensor in order first.
 
-        Args:
-            spec: the pass as data (:class:`~mergestream.engine.fold_tensor.FoldSpec` or ``MergeSpec``).
-            names: tensor names in canonical order. load: the local loader (``name -> item``, None
-                to skip; hashes and checks on the way); its float items are dropped (``release``)
-                and re-read by the task. base: θ₀ (tensor sizes).
-            work: the local per-tensor function (frozen tensors are copied here).
-            sinks: the real writers. progress: advanced per tensor. hook: called on the driver with
-                each name before it is read (liveness, stop requests: an exception cancels the tasks).
+        ``job.load`` (the local loader: hashes and checks on the way) runs here for every tensor;
+        its float items are dropped (``job.release``) and re-read by the task from ``job.spec``'s
+        paths. Frozen tensors go through ``job.work`` here. ``job.hook`` is called here with each
+        name before it is read (liveness, stop requests: an exception cancels the tasks).
+        ``job.threads``, ``prefetch`` and ``budget`` are the local executor's and are not used.
+
+        Returns:
+            ``(bytes, seconds)`` of each task (also kept in :attr:`tasks`).
 
         Raises:
             The first task's error (its original type where Ray can keep it); the tasks still
             queued are cancelled. Nothing is committed here.
         """
+        spec, names, load, release, work, sinks = job.spec, job.names, job.load, job.release, job.work, job.sinks
+        progress, hook, size_of = job.progress, job.hook, job.nbytes
         cpus = self.connect()
-        total = sum(base.meta(n).nbytes for n in names)
+        total = sum(size_of(n) for n in names)
         target = self.group_bytes or min(MAX_GROUP_BYTES, max(1, total // (4 * cpus)))
         limit = 2 * cpus
         task = ray.remote(_fold_group).options(num_cpus=1, max_retries=self.max_retries, retry_exceptions=False)
@@ -131,13 +125,13 @@ class RayExecutor:
                 group, size = [], 0
 
         def drain_one() -> None:
-            ref, names, nbytes = pending.popleft()
+            ref, group_names, nbytes = pending.popleft()
             ops, seconds = ray.get(ref)
             replay(ops, sinks)
             self.tasks.append((nbytes, seconds))
             if progress is not None:
-                for n in names:
-                    progress.advance(base.meta(n).nbytes)
+                for n in group_names:
+                    progress.advance(size_of(n))
 
         try:
             for name in names:
@@ -153,7 +147,7 @@ class RayExecutor:
                     release(item)
                 del item
                 group.append(name)
-                size += base.meta(name).nbytes
+                size += size_of(name)
                 if size >= target:
                     submit()
                 while len(pending) > limit:
@@ -166,3 +160,4 @@ class RayExecutor:
                 ray.cancel(ref, force=True)
             raise
         log.info("ray fold tasks=%d cpus=%d seconds=%.2f", len(self.tasks), cpus, sum(s for _, s in self.tasks))
+        return list(self.tasks)
