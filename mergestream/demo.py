@@ -309,8 +309,10 @@ class _Demo:
         root = logging.getLogger()
         handler = logging.FileHandler(logfile)
         from .logs import JsonFormatter
+        from .redaction import RedactingFilter
 
         handler.setFormatter(JsonFormatter())
+        handler.addFilter(RedactingFilter())
         old_handlers, old_level = root.handlers[:], root.level
         root.handlers[:] = [handler]
         root.setLevel(logging.INFO)

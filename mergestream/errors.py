@@ -6,9 +6,17 @@ it into a one-line message and a non-zero exit code, and the daemon records it a
 
 from __future__ import annotations
 
+from .redaction import redact_uris
+
 
 class MergestreamError(Exception):
-    """Base class of every error caused by input, configuration or state (not by a bug)."""
+    """Base class of every error caused by input, configuration or state (not by a bug).
+
+    Its text arguments are redacted (:func:`mergestream.redaction.redact_uris`): a URI in the
+    message keeps its host and path, never its userinfo or a credential parameter."""
+
+    def __init__(self, *args: object):
+        super().__init__(*(redact_uris(a) if isinstance(a, str) else a for a in args))
 
 
 class CheckpointError(MergestreamError):

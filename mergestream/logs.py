@@ -1,10 +1,12 @@
-"""Structured logging: one JSON object per line (or plain text) on stderr."""
+"""Structured logging: one JSON object per line (or plain text) on stderr, credentials redacted."""
 
 from __future__ import annotations
 
 import json
 import logging
 import time
+
+from .redaction import RedactingFilter
 
 
 class JsonFormatter(logging.Formatter):
@@ -13,18 +15,21 @@ class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         doc = {"ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
                "level": record.levelname.lower(), "logger": record.name, "msg": record.getMessage()}
-        if record.exc_info:
-            doc["exc"] = self.formatException(record.exc_info)
+        if record.exc_info or record.exc_text:  # exc_text: already formatted (and redacted) by a filter
+            doc["exc"] = record.exc_text or self.formatException(record.exc_info)
         return json.dumps(doc, ensure_ascii=False)
 
 
 def setup_logging(fmt: str = "text", level: int = logging.INFO) -> None:
-    """Configure the root logger once (json or text) on stderr."""
+    """Configure the root logger once (json or text) on stderr, with a
+    :class:`~mergestream.redaction.RedactingFilter` on its handler: no record (of mergestream or
+    of a library such as MLflow or botocore) prints the userinfo or a credential parameter of a URI."""
     handler = logging.StreamHandler()
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    handler.addFilter(RedactingFilter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)

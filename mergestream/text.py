@@ -101,7 +101,8 @@ def load_tokenizer(src: str | Path):
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(str(src), local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(  # nosec B615 # a local folder only (local_files_only): no Hub download
+            str(src), local_files_only=True)
     except Exception as exc:  # transformers raises OSError, ValueError, KeyError...
         raise ProbeError(f"cannot load a tokenizer from {src}: {type(exc).__name__}: {exc}") from exc
     if tok.pad_token is None and tok.eos_token is not None:

@@ -5,13 +5,21 @@ standard library's ``ThreadingHTTPServer`` (one daemon thread per request) from 
 an idempotent :meth:`~BackgroundHTTPServer.stop` and the bound :attr:`~BackgroundHTTPServer.port`
 (port 0 picks a free one); :func:`send_body` writes one whole reply; :class:`JsonPostHandler` is
 the base of the receivers of small JSON deliveries (the MLflow webhook, S3 bucket notifications).
+
+IPv4 and IPv6 alike: the socket's address family is the first ``getaddrinfo`` answer for the host
+(``127.0.0.1``, ``0.0.0.0``, ``::1``, ``::``, a name; ``[::1]`` in brackets too), and ``::`` also
+accepts IPv4 clients where the OS allows dual-stack sockets. A refusal is a :class:`ListenError`
+naming the host, the port and the system's own reason.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import http.server
 import json
 import logging
+import socket
 import threading
 
 log = logging.getLogger(__name__)
@@ -58,11 +66,70 @@ class JsonPostHandler(http.server.BaseHTTPRequestHandler):
         return self.rfile.read(length)
 
 
+class ListenError(OSError):
+    """A server cannot listen on ``host:port``: the host does not resolve or is no address of this
+    machine, the port is taken or privileged... The text names both and the system's reason
+    (``strerror``); ``errno`` is the system's."""
+
+    def __init__(self, host: str, port: int, exc: OSError):
+        reason = exc.strerror or str(exc) or type(exc).__name__
+        super().__init__(exc.errno, reason)
+        self.host, self.port = host, port
+
+    def __str__(self) -> str:
+        return f"cannot listen on {host_port(self.host, self.port)}: {self.strerror}"
+
+
+def listen_hint(exc: ListenError, section: str) -> str:
+    """What to change in config ``section`` (e.g. ``metrics``, ``mlflow.webhook``) when ``exc``
+    refused its ``host`` and ``port``: the port when it is taken or privileged, else the host."""
+    env = "MERGESTREAM_" + section.upper().replace(".", "__")
+    if exc.errno == errno.EADDRINUSE:
+        return f"set {section}.port (or {env}__PORT) to a free port, or 0 for any free one"
+    if exc.errno == errno.EACCES:
+        return f"ports below 1024 need privileges: set {section}.port (or {env}__PORT) above 1023"
+    return (f"set {section}.host (or {env}__HOST) to an address of this machine: 127.0.0.1 or ::1, "
+            "0.0.0.0 (all IPv4) or :: (all IPv6, and IPv4 where the OS allows)")
+
+
+def host_port(host: str, port: int) -> str:
+    """``host:port`` as a URL writes it: ``127.0.0.1:9108``, ``[::1]:9108``."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+class _Server(http.server.ThreadingHTTPServer):
+    """``ThreadingHTTPServer`` whose IPv6 socket accepts IPv4 clients too where the OS allows."""
+
+    daemon_threads = True
+
+    def server_bind(self) -> None:
+        if self.address_family == socket.AF_INET6 and hasattr(socket, "IPV6_V6ONLY"):
+            with contextlib.suppress(OSError):  # dual-stack unsupported: IPv6 only
+                self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        super().server_bind()
+
+
+def _listening_server(host: str, port: int, handler: type[http.server.BaseHTTPRequestHandler]) -> _Server:
+    """A bound :class:`_Server` for ``host:port``, of the address family ``getaddrinfo`` gives first.
+
+    Raises:
+        ListenError: the host does not resolve, or the address cannot be bound.
+    """
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                      flags=socket.AI_PASSIVE)[0]
+        cls = type(f"_Server{family.name}", (_Server,), {"address_family": family})
+        return cls(address, handler)
+    except OSError as exc:
+        raise ListenError(host, port, exc) from None
+
+
 class BackgroundHTTPServer:
     """A ``ThreadingHTTPServer`` for ``handler`` on ``host:port``, served on a daemon thread.
 
     Args:
-        host: interface to bind (e.g. ``127.0.0.1``; ``0.0.0.0`` for all).
+        host: interface to bind (e.g. ``127.0.0.1``, ``::1``; ``0.0.0.0`` for all of IPv4, ``::``
+            for all of IPv6 and, where the OS allows, IPv4).
         port: TCP port; 0 picks a free one (see :attr:`port`).
         handler: the request handler class (one instance per request, on its own thread).
         name: the serving thread's name.
@@ -71,7 +138,7 @@ class BackgroundHTTPServer:
 
     def __init__(self, host: str, port: int, handler: type[http.server.BaseHTTPRequestHandler], *, name: str,
                  poll_interval: float = 0.5):
-        self.host = host
+        self.host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
         self._port = int(port)
         self.handler = handler
         self.name = name
@@ -85,6 +152,11 @@ class BackgroundHTTPServer:
         return self._server.server_address[1] if self._server is not None else self._port
 
     @property
+    def url(self) -> str:
+        """``http://host:port`` of this server (IPv6 hosts in brackets; the bound port once bound)."""
+        return f"http://{host_port(self.host, self.port)}"
+
+    @property
     def serving(self) -> bool:
         """True between :meth:`start` and :meth:`stop`."""
         return self._thread is not None
@@ -93,18 +165,17 @@ class BackgroundHTTPServer:
         """Bind the socket now, without serving yet (idempotent; :meth:`start` binds if needed).
 
         Raises:
-            OSError: the address cannot be bound (in use, unknown host, no permission).
+            ListenError: the address cannot be bound (in use, unknown host, not of this machine,
+                no permission); an ``OSError``.
         """
         if self._server is None:
-            server = http.server.ThreadingHTTPServer((self.host, self._port), self.handler)
-            server.daemon_threads = True
-            self._server = server
+            self._server = _listening_server(self.host, self._port, self.handler)
 
     def start(self) -> None:
         """Bind (unless done) and serve on a background daemon thread.
 
         Raises:
-            OSError: the address cannot be bound.
+            ListenError: the address cannot be bound (an ``OSError``).
             RuntimeError: already serving.
         """
         if self._thread is not None:

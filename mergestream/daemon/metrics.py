@@ -137,7 +137,7 @@ class MetricsServer:
         and ``/readyz`` answer 503.
 
     Raises:
-        OSError: the address cannot be bound.
+        ListenError: the address cannot be bound (an ``OSError``: :mod:`mergestream.daemon.http`).
     """
 
     def __init__(self, metrics: Metrics, host: str = "127.0.0.1", port: int = 9108, stale_after: float = 60.0):
@@ -151,6 +151,11 @@ class MetricsServer:
     def port(self) -> int:
         """The bound TCP port."""
         return self._http.port
+
+    @property
+    def url(self) -> str:
+        """``http://host:port`` it serves (IPv6 hosts in brackets)."""
+        return self._http.url
 
     def start(self) -> None:
         """Serve on a background daemon thread.

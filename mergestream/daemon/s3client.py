@@ -7,7 +7,7 @@ checkpoints in place), so the daemon never imports it unless ``s3`` or ``publish
 
 Credentials come only from boto3's default chain (environment, shared config/credentials files,
 container or instance roles); nothing here reads, logs or counts a secret. :func:`describe` words
-an error from its code and message only (never the request's headers).
+an error from its code and message only (never the request's headers), URIs redacted.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any
 
 from ..io.s3_checkpoint import error_code as _code
 from ..io.s3_checkpoint import make_client  # noqa: F401  (the one home of the client; re-exported here)
+from ..redaction import redact_uris
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +41,11 @@ class ObjectError(Exception):
     """
 
     def __init__(self, kind: str, message: str):
-        super().__init__(message)
+        super().__init__(redact_uris(message))  # botocore names the endpoint URL, userinfo and all
         self.kind = kind
+
+    def __reduce__(self):  # pickled across processes (Ray workers) with both arguments
+        return type(self), (self.kind, str(self))
 
 
 def parse_s3_uri(uri: str) -> tuple[str, str]:
@@ -51,10 +55,10 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
         ValueError: not an ``s3://`` URI with a bucket.
     """
     if not uri.startswith("s3://"):
-        raise ValueError(f"{uri!r} is not an s3:// URI")
+        raise ValueError(f"{redact_uris(uri)!r} is not an s3:// URI")
     bucket, _, prefix = uri[len("s3://"):].partition("/")
     if not bucket:
-        raise ValueError(f"{uri!r} names no bucket")
+        raise ValueError(f"{redact_uris(uri)!r} names no bucket")
     prefix = prefix.lstrip("/")
     return bucket, (prefix if not prefix or prefix.endswith("/") else prefix + "/")
 

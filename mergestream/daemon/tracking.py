@@ -22,10 +22,16 @@ from pathlib import Path
 from typing import Any
 
 from ..config import MlflowConfig
+from ..redaction import redact_uris
 from .ledger import Ledger
 from .metrics import Metrics
 
 log = logging.getLogger(__name__)
+
+
+def _error_text(exc: BaseException) -> str:
+    """``Type: message`` of a failed call, as the outbox keeps it (URIs redacted)."""
+    return redact_uris(f"{type(exc).__name__}: {exc}")
 
 
 class TrackingNotReady(Exception):
@@ -63,9 +69,9 @@ class Tracker:
             return True
         except Exception as exc:  # any MLflow/network failure: retried later, never fatal
             self.metrics.tracking_errors.inc()
-            self.ledger.outbox_add(kind, payload, f"{type(exc).__name__}: {exc}")
+            self.ledger.outbox_add(kind, payload, _error_text(exc))
             self.metrics.tracking_pending.set(len(self.ledger.outbox()))
-            log.warning("tracking %s failed, queued for retry: %s", kind, exc)
+            log.warning("tracking %s failed, queued for retry: %s", kind, redact_uris(exc))
             return False
 
     def retry_pending(self) -> int:
@@ -77,7 +83,7 @@ class Tracker:
             except Exception as exc:
                 if not isinstance(exc, TrackingNotReady):
                     self.metrics.tracking_errors.inc()
-                self.ledger.outbox_failed(item["row"], f"{type(exc).__name__}: {exc}")
+                self.ledger.outbox_failed(item["row"], _error_text(exc))
                 break
             self.ledger.outbox_done(item["row"])
             done += 1
@@ -113,10 +119,10 @@ class Tracker:
             run_id = run.info.run_id
             p["run_id"] = run_id  # a retry after a later failure reuses the run
             ts = int(p.get("started", 0) * 1000)
-            params = [Param(k, (v if isinstance(v, str) else json.dumps(v))[:6000])
+            params = [Param(k, redact_uris(v if isinstance(v, str) else json.dumps(v))[:6000])
                       for k, v in p.get("params", {}).items()]
             metrics = [Metric(k, float(v), ts, 0) for k, v in p.get("metrics", {}).items()]
-            tags = [RunTag(k, str(v)[:5000]) for k, v in p.get("tags", {}).items()]
+            tags = [RunTag(k, redact_uris(v)[:5000]) for k, v in p.get("tags", {}).items()]
             c.log_batch(run_id, metrics=metrics, params=params, tags=tags)
             for art in p.get("artifacts", []):
                 if Path(art).exists():

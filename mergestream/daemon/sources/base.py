@@ -23,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
+from ...redaction import redact_uris
+
 if TYPE_CHECKING:
     from ...config import Config
 
@@ -156,10 +158,12 @@ class SourceContext:
              level: Literal["error", "warning"] = "error") -> None:
         """Keep (or, with ``message=None``, clear) what ``status`` shows about ``subject`` of
         ``source`` (e.g. ``"mlflow"``, ``"model:experts"``). An unchanged message keeps its
-        ``since``. Never raises (a store failure is logged)."""
+        ``since``; URIs in it are redacted (:func:`~mergestream.redaction.redact_uris`). Never
+        raises (a store failure is logged)."""
         store = self._note_store()
         if store is None:
             return
+        message = None if message is None else redact_uris(message)
         key = f"{NOTE_PREFIX}{source}:{subject}"
         try:
             old = store.get_meta(key)

@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ...errors import MergestreamError
+from ...redaction import redact_uris
 from .base import Cursors, Emit, ExpertReady, Source, SourceContext
 from .mlflow_download import VersionDeleted, VersionDownloads, is_not_found
 from .webhook import WebhookReceiver
@@ -257,7 +258,7 @@ class RegistrySource(Source):
         self._scheduler = sched
         sched.start()
         log.info("registry source started models=%s tracking_uri=%s interval_seconds=%.1f",
-                 self.models, self.tracking_uri, self.interval_seconds)
+                 self.models, redact_uris(self.tracking_uri), self.interval_seconds)
 
     def stop(self) -> None:
         """Stop the scheduler, waiting for a running poll (its backoff sleeps are cut short);
@@ -374,7 +375,7 @@ class RegistrySource(Source):
                     out.extend(events)
                 except Exception as exc:
                     log.warning("registry poll failed model=%s tracking_uri=%s: %s: %s", model,
-                                self.tracking_uri, type(exc).__name__, exc)
+                                redact_uris(self.tracking_uri), type(exc).__name__, redact_uris(exc))
                     self._error(exc)
                     problem = str(exc) if isinstance(exc, RegisteredModelMissing) else f"{type(exc).__name__}: {exc}"
                 self._note(f"model:{model}", problem)
@@ -397,7 +398,8 @@ class RegistrySource(Source):
         close = difflib.get_close_matches(model, names, n=3, cutoff=0.5)
         hint = f" (closest names there: {', '.join(map(repr, close))})" if close else ""
         raise RegisteredModelMissing(f"registered model {model!r} does not exist in the registry at "
-                                     f"{self.registry_uri}{hint}: renamed or misspelt? fix mlflow.registry.models")
+                                     f"{redact_uris(self.registry_uri)}{hint}: renamed or misspelt? "
+                                     "fix mlflow.registry.models")
 
     # -- versions that are skipped ---------------------------------------------------------------
     def _skipped_of(self, model: str) -> dict[int, str]:
@@ -506,11 +508,11 @@ class RegistrySource(Source):
                 continue
             except Exception as exc:
                 log.error("download failed after %d retries model=%s version=%d: %s: %s; later versions wait",
-                          self.max_retries, model, v, type(exc).__name__, exc)
+                          self.max_retries, model, v, type(exc).__name__, redact_uris(exc))
                 self._error(exc)
                 return out, f"version {v}: download failed: {type(exc).__name__}: {exc}"
             meta = {"mlflow.model": model, "mlflow.version": str(v), "mlflow.run_id": mv.run_id or "",
-                    "mlflow.source": mv.source or "", "mlflow.download_uri": download_uri}
+                    "mlflow.source": redact_uris(mv.source or ""), "mlflow.download_uri": redact_uris(download_uri)}
             meta.update({f"tag.{k}": str(val) for k, val in tags.items()})
             ev = ExpertReady(source=self.name, uri=str(path), expert_id=f"{model}-v{v}",
                              registry_key=version_key(model, v), metadata=meta)

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ...redaction import redact_uris
 from .readiness import FILE_SUFFIXES, loadable_folder
 
 log = logging.getLogger(__name__)
@@ -230,13 +231,14 @@ class VersionDownloads:
         if uri.startswith("models:/"):
             uri = self._resolve_models_uri(uri)
         listing = artifact_listing(uri, tracking_uri=self.tracking_uri, registry_uri=self.registry_uri)
+        shown = redact_uris(uri)  # how the location is named in messages and logs
         final = self.model_dir(model) / str(version)
         if final.is_dir():
             entries = [e for e in final.iterdir() if not e.name.startswith(".")]
             try:
                 if len(entries) != 1:
                     raise DownloadIncomplete(f"cached copy {final} holds {len(entries)} entries, not 1")
-                verify_copy(entries[0], listing, f"cached copy of {uri}")
+                verify_copy(entries[0], listing, f"cached copy of {shown}")
                 log.debug("cache hit model=%s version=%d path=%s", model, version, final)
                 return resolve_expert_path(final), uri
             except DownloadIncomplete as exc:
@@ -249,8 +251,8 @@ class VersionDownloads:
                                                         tracking_uri=self.tracking_uri,
                                                         registry_uri=self.registry_uri)
             if not any(f.is_file() for f in tmp.rglob("*")):
-                raise FileNotFoundError(f"downloading {uri} produced no files")
-            verify_copy(Path(local), listing, f"download of {uri}")
+                raise FileNotFoundError(f"downloading {shown} produced no files")
+            verify_copy(Path(local), listing, f"download of {shown}")
             try:
                 os.rename(tmp, final)
             except OSError:
@@ -260,7 +262,7 @@ class VersionDownloads:
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
-        log.info("downloaded model=%s version=%d from %s to %s", model, version, uri, final)
+        log.info("downloaded model=%s version=%d from %s to %s", model, version, shown, final)
         return resolve_expert_path(final), uri
 
     def _resolve_models_uri(self, uri: str) -> str:
@@ -269,6 +271,6 @@ class VersionDownloads:
         rest = uri[len("models:/"):]
         model_id, _, sub = rest.partition("/")
         if not model_id.startswith("m-"):
-            raise ValueError(f"cannot resolve registry download URI {uri!r}")
+            raise ValueError(f"cannot resolve registry download URI {redact_uris(uri)!r}")
         loc = self.client().get_logged_model(model_id).artifact_location.rstrip("/")
         return f"{loc}/{sub}" if sub else loc

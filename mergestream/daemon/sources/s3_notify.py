@@ -77,6 +77,7 @@ class NotificationReceiver(Source):
     """
 
     name = "s3-notify"
+    config_section = "s3.notify"  # where its host and port are set (named when it cannot listen)
 
     def __init__(self, host: str, port: int, token: str, on_event: Callable[[], None]):
         if not token:
@@ -95,12 +96,12 @@ class NotificationReceiver(Source):
         """Bind and serve on a background thread.
 
         Raises:
-            OSError: the address cannot be bound. RuntimeError: already started.
+            ListenError: the address cannot be bound (an ``OSError``). RuntimeError: already started.
         """
         if self._http.serving:
             raise RuntimeError("NotificationReceiver already started")
         self._http.start()
-        log.info("s3 notification receiver listening on http://%s:%d", self._http.host, self.port)
+        log.info("s3 notification receiver listening on %s", self._http.url)
 
     def stop(self) -> None:
         """Stop serving (idempotent)."""

@@ -129,6 +129,7 @@ class WebhookReceiver(Source):
     """
 
     name = "mlflow-webhook"
+    config_section = "mlflow.webhook"  # where its host and port are set (named when it cannot listen)
 
     def __init__(self, host: str, port: int, secret: str, on_event: Callable[[], None], *,
                  tolerance_seconds: float = 300.0):
@@ -150,13 +151,13 @@ class WebhookReceiver(Source):
         """Bind and serve on a background thread.
 
         Raises:
-            OSError: the address cannot be bound.
+            ListenError: the address cannot be bound (an ``OSError``).
             RuntimeError: already started.
         """
         if self._http.serving:
             raise RuntimeError("WebhookReceiver already started")
         self._http.start()
-        log.info("webhook receiver listening on http://%s:%d", self.host, self.port)
+        log.info("webhook receiver listening on %s", self._http.url)
 
     def stop(self) -> None:
         """Stop serving and close the socket (idempotent)."""
