@@ -107,8 +107,8 @@ class PolicyConfig(_Section):
         if isinstance(data, dict) and "unmerge_mode" not in data:
             try:
                 pol = make_policy(data.get("name", RECOMMENDED_POLICY), data.get("params") or {})
-            except (PolicyError, TypeError, ValueError):
-                return data  # reported by the checks below
+            except Exception:  # noqa: BLE001 - any malformed name or params: reported by the checks below
+                return data
             if not pol.subtract_unmerge:  # e.g. Iso-C: replay is its only unmerge
                 data = {**data, "unmerge_mode": "replay"}
         return data
@@ -545,17 +545,26 @@ def load_config(path: str | os.PathLike) -> Config:
     """
     p = Path(path)
     try:
-        data, duplicates = _read_yaml(p.read_text())
+        data, duplicates = _read_yaml(p.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"config file {p} not found") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {p} cannot be read: {exc.strerror or type(exc).__name__}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{p}: not UTF-8 text (byte {exc.start})") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{p}: invalid YAML: {_yaml_problem(exc)}") from None
+    except RecursionError:
+        raise ConfigError(f"{p}: invalid YAML: nested too deep") from None
     if duplicates:
         raise ConfigError(f"{p}: " + "; ".join(f"key {k} given twice (line {a} and line {b})" for k, a, b in duplicates)
                           + ": YAML would silently keep the later one; keep one")
     data = data or {}
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: the top level must be a mapping")
+    odd = [k for k in data if not isinstance(k, str)]
+    if odd:
+        raise ConfigError(f"{p}: top-level key {odd[0]!r} is not a name: keys are words such as base, policy, gate")
     try:
         cfg = Config(**data)
     except ValidationError as exc:

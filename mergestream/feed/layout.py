@@ -15,6 +15,7 @@ Target custom info, under ``custom["mergestream"]`` of each TUF target:
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 LATEST = "latest.json"
@@ -32,11 +33,45 @@ def model_path(version: int, rel: str) -> str:
     return f"models/{version:06d}/{rel}"
 
 
+#: the fields of each kind of ``custom.mergestream`` and the test each value must pass
+_SHA = re.compile(r"[0-9a-f]{64}")
+
+
+def _count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**63
+
+
+def _sha(v: Any) -> bool:
+    return isinstance(v, str) and _SHA.fullmatch(v) is not None
+
+
+def _relative_file(v: Any) -> bool:
+    """A POSIX relative path inside its folder: no ``..``, no leading ``/``, no backslash or NUL."""
+    if not isinstance(v, str) or not v or v.startswith("/") or "\\" in v or "\0" in v:
+        return False
+    parts = v.split("/")
+    return all(p not in ("", ".", "..") for p in parts)
+
+
+_FIELDS: dict[str, dict[str, Any]] = {
+    "patch": {"from_version": _count, "to_version": _count, "from_sha256": _sha, "to_sha256": _sha},
+    "model": {"version": _count, "weights_sha256": _sha, "file": _relative_file},
+    "latest": {"version": _count, "weights_sha256": _sha, "release": _count,
+               "rollback": lambda v: isinstance(v, bool)},
+}
+
+
 def custom_of(unrecognized: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The ``custom.mergestream`` dict of a target's unrecognized fields, or None when absent/malformed."""
-    custom = (unrecognized or {}).get("custom")
+    """The ``custom.mergestream`` dict of a target's unrecognized fields, or None when absent or
+    malformed: an unknown ``kind``, or a field of its kind missing or of the wrong type (versions
+    non-negative ints, hashes 64 lowercase hex digits, ``file`` a relative POSIX path that stays in
+    its folder, ``rollback`` a bool; see the module docstring). Never raises."""
+    custom = unrecognized.get("custom") if isinstance(unrecognized, dict) else None
     info = custom.get(CUSTOM_KEY) if isinstance(custom, dict) else None
-    return info if isinstance(info, dict) and info.get("kind") in KINDS else None
+    fields = _FIELDS.get(info.get("kind")) if isinstance(info, dict) and isinstance(info.get("kind"), str) else None
+    if fields is None or not all(check(info.get(name)) for name, check in fields.items()):
+        return None
+    return info
 
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
