@@ -47,7 +47,15 @@ class FormatError(Exception):
 
 class IncompleteFileError(FormatError):
     """The file is shorter than its header says, or cannot be read now: what a file that is still
-    being written looks like (a malformed header or trailing bytes are plain :class:`FormatError`)."""
+    being written looks like (a malformed header or trailing bytes are plain :class:`FormatError`).
+
+    Attributes:
+        expected_size: the bytes the file needs at least to be complete, as far as its header
+            says (None when unknown: it could not be read)."""
+
+    def __init__(self, message: str, expected_size: int | None = None):
+        super().__init__(message)
+        self.expected_size = expected_size
 
 
 #: Deepest nesting of arrays and objects :func:`load_json` accepts. Real headers, indexes, configs
@@ -256,9 +264,10 @@ def read_header(path: str | os.PathLike) -> Header:
             head = fh.read(8)
             n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
             if n < 2 or n > _MAX_HEADER or 8 + n > size:
-                short = len(head) < 8 or (2 <= n <= _MAX_HEADER)  # a header still arriving
-                raise (IncompleteFileError if short else FormatError)(
-                    f"{path}: not a safetensors file, or truncated (header length {n}, file {size} bytes)")
+                msg = f"{path}: not a safetensors file, or truncated (header length {n}, file {size} bytes)"
+                if len(head) < 8 or 2 <= n <= _MAX_HEADER:  # a header still arriving
+                    raise IncompleteFileError(msg, 8 + max(n, 0))
+                raise FormatError(msg)
             raw = fh.read(n)
     except OSError as exc:
         raise IncompleteFileError(f"{path}: cannot read ({exc.strerror or exc})") from None
@@ -270,7 +279,7 @@ def read_header(path: str | os.PathLike) -> Header:
     held = size - hdr.data_start
     if hdr.data_len > held:
         raise IncompleteFileError(f"{path}: file is truncated: header declares {hdr.data_len} data bytes, "
-                                  f"the file holds {held}")
+                                  f"the file holds {held}", hdr.data_start + hdr.data_len)
     if hdr.data_len < held:
         raise FormatError(f"{path}: file is followed by trailing bytes ({held - hdr.data_len} bytes follow the "
                           f"last tensor): header declares {hdr.data_len} data bytes, the file holds {held}")
