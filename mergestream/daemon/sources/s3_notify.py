@@ -53,7 +53,7 @@ class _Handler(JsonPostHandler):
             log.warning("s3 notification rejected: missing or wrong token from %s", self.client_address[0])
             return self.reply(401, "invalid token")
         try:
-            names = event_names(load_json(body, "s3 notification body", expect=None))
+            names = event_names(load_json(body, "s3 notification body", error=MalformedInputError, expect=None))
         except MalformedInputError as exc:
             log.warning("s3 notification rejected from %s: %s", self.client_address[0], exc)
             return self.reply(400, "body is not JSON")

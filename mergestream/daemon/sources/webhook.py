@@ -88,7 +88,7 @@ class _WebhookHandler(JsonPostHandler):
             log.warning("webhook rejected: bad or missing signature from %s", self.client_address[0])
             return self.reply(401, "invalid signature")
         try:
-            payload = load_json(body, "webhook body")
+            payload = load_json(body, "webhook body", error=MalformedInputError)
         except MalformedInputError as exc:
             log.warning("webhook rejected from %s: %s", self.client_address[0], exc)
             return self.reply(400, "body is not a JSON object")
