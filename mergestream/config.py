@@ -160,6 +160,12 @@ class WatchConfig(_Section):
     settle_seconds: float = Field(2.0, ge=0, description="sizes must be stable this long (s) without a READY marker")
     polling: bool = Field(False, description="poll the folder instead of inotify (network filesystems)")
     poll_interval: float = Field(1.0, gt=0, description="polling / settle check period (s)")
+    unwritten_seconds: float = Field(
+        300.0, ge=0, description="a complete-looking weight file with a hole in its data or an all-zero tail "
+                                 "(a preallocated file still being written) waits until unchanged this long (s)")
+    incomplete_timeout_seconds: float = Field(
+        3600.0, gt=0, description="an inbox entry still incomplete and unchanged this long (s) is rejected "
+                                  "(a copy that stopped for good)")
 
 
 class RegistryConfig(_Section):

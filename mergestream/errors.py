@@ -101,3 +101,9 @@ class OutputExistsError(MergestreamError):
 class ProbeError(MergestreamError):
     """A probe cannot be built (unknown type, bad parameter, bad target, missing data file), its
     inputs are malformed (data file, task head, tokenizer missing), or it failed while running."""
+
+
+class MalformedInputError(MergestreamError):
+    """A document from outside (a webhook or bucket-notification payload, a config or state file
+    read back) that is not UTF-8, not JSON, nested too deep, or of the wrong structure (see
+    :func:`mergestream.io.st.load_json`)."""

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import MergestreamError, ProbeError
-from .io.st import copy_aux_files
+from .io.st import copy_aux_files, load_json
 from .plugins import resolve_callable
 from .text import POOLINGS, encode, load_model, load_tokenizer, pool
 
@@ -423,11 +423,8 @@ def read_aux(path: str | os.PathLike, max_examples: int | None = None) -> list[A
         if not line.strip():
             continue
         if jsonl:
-            try:
-                obj = json.loads(line)
-            except ValueError as exc:
-                raise RIError(f"{p}:{no}: not JSON ({exc})") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str) or not obj["text"]:
+            obj = load_json(line, f"{p}:{no}", error=RIError)
+            if not isinstance(obj.get("text"), str) or not obj["text"]:
                 raise RIError(f"{p}:{no}: expected an object with a non-empty 'text'")
             t2 = obj.get("text2")
             if t2 is not None and not isinstance(t2, str):

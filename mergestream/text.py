@@ -27,7 +27,6 @@ import contextlib
 import contextvars
 import csv
 import hashlib
-import json
 import logging
 import math
 import re
@@ -42,6 +41,7 @@ import numpy as np
 import torch
 
 from .errors import ProbeError
+from .io.st import load_json
 
 log = logging.getLogger(__name__)
 
@@ -412,18 +412,13 @@ def read_labelled_jsonl(path: str | Path, max_examples: int | None = None) -> li
         ProbeError: a line that is not such an object (names the file and line), or no examples.
     """
     out: list[tuple[str, str | None, int]] = []
-    with open(path, encoding="utf-8") as fh:
+    with open(path, "rb") as fh:
         for lineno, line in enumerate(fh, 1):
             if max_examples is not None and len(out) >= max_examples:
                 break
             if not line.strip():
                 continue
-            try:
-                obj = json.loads(line)
-            except ValueError as exc:
-                raise ProbeError(f"{path}:{lineno}: not JSON ({exc})") from None
-            if not isinstance(obj, dict):
-                raise ProbeError(f"{path}:{lineno}: expected an object, got {type(obj).__name__}")
+            obj = load_json(line, f"{path}:{lineno}", error=ProbeError)
             text, text2, label = obj.get("text"), obj.get("text2"), obj.get("label")
             if not isinstance(text, str) or not text:
                 raise ProbeError(f"{path}:{lineno}: 'text' must be a non-empty string")

@@ -20,7 +20,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from ..io.st import fsync_dir
+from ..io.st import fsync_dir, load_json
 from .errors import LocalStateError
 
 SLOTS = ("a", "b")
@@ -41,10 +41,9 @@ def write_json(path: Path, doc: dict[str, Any]) -> None:
 def read_json(path: Path) -> dict[str, Any] | None:
     """``path`` parsed, or None when absent or unreadable."""
     try:
-        doc = json.loads(path.read_text())
+        return load_json(path.read_bytes(), str(path), error=ValueError)
     except (OSError, ValueError):
         return None
-    return doc if isinstance(doc, dict) else None
 
 
 class Device:

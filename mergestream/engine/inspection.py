@@ -9,7 +9,6 @@ tensors; the linear algebra is :mod:`mergestream.engine.linalg`.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import MutableMapping
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..errors import MergestreamError
+from ..errors import CorruptCheckpointError, MergestreamError
 from ..io.checkpoints import (
     Checkpoint,
     TensorMeta,
@@ -29,6 +28,7 @@ from ..io.checkpoints import (
 )
 from ..io.expert_readers import open_expert
 from ..io.s3_checkpoint import is_s3_uri
+from ..io.st import load_json
 from .linalg import cosine_matrix, subspace_energy, top_singular_vectors
 from .stream import clear_scratch, float32_scratch, scratch
 
@@ -195,7 +195,8 @@ def describe(path: str | os.PathLike) -> dict[str, Any]:
     remote = is_s3_uri(path)  # read in place; a Path would fold "s3://" into "s3:/"
     p = path if remote else Path(path)
     if not remote and (p / "adapter_config.json").exists():
-        cfg = json.loads((p / "adapter_config.json").read_text())
+        cfg_path = p / "adapter_config.json"
+        cfg = load_json(cfg_path.read_bytes(), str(cfg_path), error=CorruptCheckpointError)
         ck = open_checkpoint(p / "adapter_model.safetensors")
         kind = "lora"
     else:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..errors import NonFiniteError
+from ..errors import CorruptCheckpointError, NonFiniteError
 from ..io.checkpoints import (
     DEFAULT_SHARD_BYTES,
     Checkpoint,
@@ -32,7 +32,7 @@ from ..io.checkpoints import (
     validate_against_base,
 )
 from ..io.expert_readers import DenseExpert
-from ..io.st import name_order
+from ..io.st import load_json, name_order
 from ..io.writers import ModelWriter, copy_aux_files, staged_output
 from ..policies import Policy, make_policy
 from .stream import ExpertReader, default_threads, run_stream
@@ -186,7 +186,7 @@ def untie_config(folder: Path) -> None:
     cfg = Path(folder) / "config.json"
     if not cfg.is_file():
         return
-    doc = json.loads(cfg.read_text())
+    doc = load_json(cfg.read_bytes(), str(cfg), error=CorruptCheckpointError)
     if doc.get("tie_word_embeddings") is not False:
         doc["tie_word_embeddings"] = False
         cfg.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")

@@ -29,6 +29,7 @@ from cryptography.hazmat.primitives.serialization import (
 from securesystemslib.signer import CryptoSigner, SSlibKey
 
 from ..errors import MergestreamError
+from ..io.st import load_json
 
 ROLES = ("root", "targets", "snapshot", "timestamp")
 PASSPHRASE_ENV = "MERGESTREAM_FEED_KEY_PASSPHRASE"
@@ -94,7 +95,7 @@ def public_key(keys_dir: str | os.PathLike, role: str) -> SSlibKey:
     """
     path = Path(keys_dir) / f"{role}.pub.json"
     try:
-        d = json.loads(path.read_text())
+        d = load_json(path.read_bytes(), str(path), error=ValueError)
         keyid = d.pop("keyid")
         return SSlibKey.from_dict(keyid, d)
     except FileNotFoundError:

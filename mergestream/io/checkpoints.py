@@ -25,7 +25,6 @@ Writers live in :mod:`mergestream.io.writers`.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
 import os
@@ -445,9 +444,9 @@ def open_checkpoint(path: str | os.PathLike, expect_keys: list[str] | None = Non
     index = p / INDEX_NAME
     if index.exists():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError) as exc:
-            raise CorruptCheckpointError(f"{index}: unreadable index ({exc})") from exc
+            weight_map = st.parse_index(index.read_bytes(), str(index))
+        except st.FormatError as exc:
+            raise CorruptCheckpointError(str(exc)) from None
         shards = sorted(set(weight_map.values()))
         missing = [s for s in shards if not (p / s).is_file()]
         if missing:

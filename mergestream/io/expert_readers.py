@@ -10,7 +10,6 @@ metadata's hash of an expert. Dense tensors are read through :mod:`mergestream.i
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 import re
@@ -42,6 +41,7 @@ from .checkpoints import (
     open_safetensors_file,
 )
 from .s3_checkpoint import is_s3_path
+from .st import json_type, load_json
 
 
 class Expert(Protocol):
@@ -111,6 +111,27 @@ _BASE_CHANGING_INITS = {
 }
 
 
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _check_adapter_types(cfg: dict, where: Path) -> None:
+    """The types of the ``adapter_config.json`` fields the reader uses (numbers, patterns).
+
+    Raises:
+        CorruptCheckpointError: naming the field and the JSON type found.
+    """
+    for key in ("lora_alpha", "r"):
+        if cfg.get(key) is not None and not _number(cfg[key]):
+            raise CorruptCheckpointError(f"{where}: {key} must be a number, got {json_type(cfg[key])}")
+    for key in ("alpha_pattern", "rank_pattern"):
+        pattern = cfg.get(key) or {}
+        if not isinstance(pattern, dict) or not all(_number(v) for v in pattern.values()):
+            raise CorruptCheckpointError(f"{where}: {key} must map module patterns to numbers")
+    if not isinstance(cfg.get("peft_type", "LORA"), str):
+        raise CorruptCheckpointError(f"{where}: peft_type must be a string, got {json_type(cfg['peft_type'])}")
+
+
 def check_adapter_init(cfg: dict, folder: Path) -> None:
     """Refuse an adapter whose initialisation rewrote the base it was trained on.
 
@@ -177,10 +198,8 @@ class LoraExpert:
     def __init__(self, folder: Path, base_keys: list[str], base_meta):
         self.path = folder
         cfg_path = folder / "adapter_config.json"
-        try:
-            cfg = json.loads(cfg_path.read_text())
-        except ValueError as exc:
-            raise CorruptCheckpointError(f"{cfg_path}: unreadable JSON ({exc})") from exc
+        cfg = load_json(cfg_path.read_bytes(), str(cfg_path), error=CorruptCheckpointError)
+        _check_adapter_types(cfg, cfg_path)
         self.config = cfg
         peft_type = str(cfg.get("peft_type", "LORA")).upper()
         if peft_type != "LORA":

@@ -50,6 +50,7 @@ from ..errors import (
     UnsupportedCheckpointError,
 )
 from . import st
+from .st import load_json
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +164,7 @@ class S3Ref:
             FileNotFoundError: no such file. CorruptCheckpointError: not a reference file.
         """
         try:
-            obj = json.loads(Path(path).read_text())
+            obj = load_json(Path(path).read_bytes(), str(path), error=ValueError)
             if obj.get("format") != "mergestream-s3ref/1":
                 raise ValueError(f"format {obj.get('format')!r}")
             return cls(str(obj["uri"]), dict(obj.get("objects") or {}), obj.get("endpoint_url"), obj.get("region"))
@@ -399,9 +400,9 @@ def _find(src: S3Objects, ref: S3Ref, key: str) -> tuple[str, dict[str, Path] | 
             raise UnsupportedCheckpointError(
                 f"{ref.uri}: a PEFT adapter folder is not read in place; download it first (s3.cache: true)") from None
     try:
-        weight_map = json.loads(raw)["weight_map"]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CorruptCheckpointError(f"s3://{src.bucket}/{folder}{_INDEX}: unreadable index ({exc})") from None
+        weight_map = st.parse_index(raw, f"s3://{src.bucket}/{folder}{_INDEX}")
+    except st.FormatError as exc:
+        raise CorruptCheckpointError(str(exc)) from None
     files = {}
     for shard in sorted(set(weight_map.values())):
         try:

@@ -2,7 +2,9 @@
 
 One home for the file format, shared by the checkpoint readers/writers (:mod:`mergestream.io.checkpoints`),
 the patch apply side (:mod:`mergestream.patches`, which must stay importable with numpy alone) and
-anything that checks a file's completeness. Standard library only.
+anything that checks a file's completeness. Standard library only. It is also the one home of
+:func:`load_json`, the way every part of the package parses JSON that came from outside (headers,
+indexes, configs, payloads, state files read back).
 
 Weights hash (:class:`WeightsHash`)
     The content hash of a model: sha256 of its canonical content, independent of sharding, tensor
@@ -25,10 +27,13 @@ import ctypes
 import hashlib
 import json
 import os
+import re
+import reprlib
 import shutil
 import struct
 import sys
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +47,80 @@ class FormatError(Exception):
 
 class IncompleteFileError(FormatError):
     """The file is shorter than its header says, or cannot be read now: what a file that is still
-    being written looks like (a malformed header or trailing bytes are plain :class:`FormatError`)."""
+    being written looks like (a malformed header or trailing bytes are plain :class:`FormatError`).
+
+    Attributes:
+        expected_size: the bytes the file needs at least to be complete, as far as its header
+            says (None when unknown: it could not be read)."""
+
+    def __init__(self, message: str, expected_size: int | None = None):
+        super().__init__(message)
+        self.expected_size = expected_size
+
+
+#: Deepest nesting of arrays and objects :func:`load_json` accepts. Real headers, indexes, configs
+#: and payloads nest a few levels; a "JSON bomb" nests thousands, and Python's json (and any later
+#: ``repr``/``json.dumps`` of the result) then fails with RecursionError, which is not a ValueError.
+MAX_JSON_DEPTH = 64
+
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_STEP = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
+_JSON_TYPE = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
+
+
+def json_depth(text: str) -> int:
+    """The deepest nesting of ``[``/``{`` in JSON ``text`` (brackets inside strings do not count).
+    Linear in the text, no recursion: safe on hostile input."""
+    brackets = _NOT_BRACKET.sub("", _JSON_STRING.sub("", text)).encode("ascii")
+    if not brackets:
+        return 0
+    return max(0, max(accumulate(memoryview(brackets.translate(_STEP)).cast("b"))))
+
+
+def load_json(data: bytes | bytearray | str, what: str, *, error: type[Exception] | None = None,
+              expect: type | tuple[type, ...] | None = dict) -> Any:
+    """Parse a JSON document that came from outside: the one way the package reads such bytes.
+
+    Args:
+        data: the document (bytes are decoded as UTF-8, strictly).
+        what: names the document in the error (a path, ``"webhook body"``).
+        error: the exception class to raise (the caller's own: ``CorruptCheckpointError``,
+            ``StateError``, ``MalformedInputError``, ...); None: :class:`FormatError`.
+        expect: the type the top-level value must have (``dict``: a JSON object); None: any.
+
+    Returns:
+        The parsed value.
+
+    Raises:
+        error (FormatError by default): one line naming ``what``: not UTF-8, not text, nested deeper than
+            :data:`MAX_JSON_DEPTH`, not valid JSON (also a RecursionError of the parser), or not
+            of type ``expect``.
+    """
+    error = error or FormatError
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        try:
+            data = bytes(data).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise error(f"{what}: not UTF-8 text (byte {exc.start})") from None
+    if not isinstance(data, str):
+        raise error(f"{what}: expected JSON text, got {type(data).__name__}")
+    depth = json_depth(data)
+    if depth > MAX_JSON_DEPTH:
+        raise error(f"{what}: JSON nested {depth} levels deep (at most {MAX_JSON_DEPTH})")
+    try:
+        obj = json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise error(f"{what}: not valid JSON ({str(exc)[:200]})") from None
+    if expect is not None and not isinstance(obj, expect):
+        want = " or ".join(_JSON_TYPE.get(t, t.__name__) for t in (expect if isinstance(expect, tuple) else (expect,)))
+        raise error(f"{what}: expected a JSON {want}, got {json_type(obj)}")
+    return obj
+
+
+def json_type(value: Any) -> str:
+    """The JSON name of a parsed value's type (``object``, ``array``, ``string``, ``null``, ...)."""
+    return "null" if value is None else _JSON_TYPE.get(type(value), type(value).__name__)
 
 
 #: Bytes per element of every safetensors dtype this module handles (sub-byte dtypes are refused).
@@ -114,19 +192,14 @@ class Header:
 def parse_header_text(text: str, file: Path, where: str) -> Header:
     """Parse and validate a safetensors header given as text (no length prefix).
 
-    Checks: a JSON object; string metadata; every tensor has a supported dtype, a shape of
+    Checks: a JSON object nested at most :data:`~mergestream.errors.MAX_JSON_DEPTH` deep; string metadata; every tensor has a supported dtype, a shape of
     non-negative integers and ``data_offsets`` whose span equals numel·itemsize; the tensors tile
     the data region from 0 with no gap or overlap.
 
     Raises:
         FormatError: naming ``where`` and what is wrong.
     """
-    try:
-        obj = json.loads(text)
-    except ValueError as exc:
-        raise FormatError(f"{where}: unreadable safetensors header ({exc})") from None
-    if not isinstance(obj, dict):
-        raise FormatError(f"{where}: safetensors header is not a JSON object")
+    obj = load_json(text, f"{where}: safetensors header", error=FormatError)
     meta = obj.get("__metadata__") or {}
     if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise FormatError(f"{where}: __metadata__ must map strings to strings")
@@ -140,9 +213,9 @@ def parse_header_text(text: str, file: Path, where: str) -> Header:
         except (TypeError, KeyError, ValueError):
             raise FormatError(f"{where}: tensor {name!r} has a malformed header entry") from None
         if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
-            raise FormatError(f"{where}: tensor {name!r} has unsupported dtype {dtype!r}")
+            raise FormatError(f"{where}: tensor {name!r} has unsupported dtype {reprlib.repr(dtype)}")
         if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-            raise FormatError(f"{where}: tensor {name!r} has a malformed shape {shape!r}")
+            raise FormatError(f"{where}: tensor {name!r} has a malformed shape {reprlib.repr(shape)}")
         if not (type(start) is int and type(end) is int):
             raise FormatError(f"{where}: tensor {name!r} has malformed data_offsets")
         entry = TensorEntry(name, dtype, tuple(shape), file, data_start + start, end - start)
@@ -159,6 +232,24 @@ def parse_header_text(text: str, file: Path, where: str) -> Header:
     return Header(text, obj, {str(k): str(v) for k, v in meta.items()}, entries, data_start, pos - data_start)
 
 
+def parse_index(data: bytes | str, where: str) -> dict[str, str]:
+    """The ``weight_map`` of a shard index (``model.safetensors.index.json``): tensor name -> shard
+    file name, both strings.
+
+    Raises:
+        FormatError: naming ``where``: not UTF-8 JSON, nested too deep, not an object, no
+            ``weight_map`` object, or a name or shard that is not a string.
+    """
+    obj = load_json(data, f"{where}: shard index", error=FormatError)
+    weight_map = obj.get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise FormatError(f"{where}: shard index has no 'weight_map' object")
+    bad = next((k for k, v in weight_map.items() if not isinstance(v, str) or not v), None)
+    if bad is not None:
+        raise FormatError(f"{where}: shard index maps {bad!r} to {reprlib.repr(weight_map[bad])}, not a file name")
+    return weight_map
+
+
 def read_header(path: str | os.PathLike) -> Header:
     """Read and validate the header of a safetensors file, and check the file is not truncated.
 
@@ -173,9 +264,10 @@ def read_header(path: str | os.PathLike) -> Header:
             head = fh.read(8)
             n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
             if n < 2 or n > _MAX_HEADER or 8 + n > size:
-                short = len(head) < 8 or (2 <= n <= _MAX_HEADER)  # a header still arriving
-                raise (IncompleteFileError if short else FormatError)(
-                    f"{path}: not a safetensors file, or truncated (header length {n}, file {size} bytes)")
+                msg = f"{path}: not a safetensors file, or truncated (header length {n}, file {size} bytes)"
+                if len(head) < 8 or 2 <= n <= _MAX_HEADER:  # a header still arriving
+                    raise IncompleteFileError(msg, 8 + max(n, 0))
+                raise FormatError(msg)
             raw = fh.read(n)
     except OSError as exc:
         raise IncompleteFileError(f"{path}: cannot read ({exc.strerror or exc})") from None
@@ -187,7 +279,7 @@ def read_header(path: str | os.PathLike) -> Header:
     held = size - hdr.data_start
     if hdr.data_len > held:
         raise IncompleteFileError(f"{path}: file is truncated: header declares {hdr.data_len} data bytes, "
-                                  f"the file holds {held}")
+                                  f"the file holds {held}", hdr.data_start + hdr.data_len)
     if hdr.data_len < held:
         raise FormatError(f"{path}: file is followed by trailing bytes ({held - hdr.data_len} bytes follow the "
                           f"last tensor): header declares {hdr.data_len} data bytes, the file holds {held}")

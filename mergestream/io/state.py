@@ -27,7 +27,7 @@ import torch
 
 from ..errors import StateError
 from .checkpoints import Checkpoint, open_checkpoint
-from .st import fsync_dir
+from .st import fsync_dir, load_json
 
 MANIFEST = "manifest.json"
 SEP = "::"
@@ -98,7 +98,7 @@ class StateDir:
         if not mpath.exists():
             return Manifest()
         try:
-            raw = json.loads(mpath.read_text())
+            raw = load_json(mpath.read_bytes(), str(mpath), error=ValueError)
             folds = [FoldRecord(**f) for f in raw.pop("folds", [])]
             return Manifest(**raw, folds=folds)
         except (ValueError, TypeError) as exc:

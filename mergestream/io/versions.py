@@ -15,10 +15,11 @@ importing the daemon.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
+
+from .st import load_json
 
 
 class Versions:
@@ -61,4 +62,4 @@ class Versions:
             ValueError: the file is not valid JSON.
         """
         p = self.path(number) / "fold.json"
-        return json.loads(p.read_text()) if p.exists() else {}
+        return load_json(p.read_bytes(), str(p), error=ValueError) if p.exists() else {}

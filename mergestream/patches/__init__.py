@@ -66,7 +66,9 @@ from ..io.st import (
     TensorEntry,
     copy_aux_files,
     fsync_dir,
+    load_json,
     parse_header_text,
+    parse_index,
     pwrite_all,
     read_header,
     read_into,
@@ -136,11 +138,7 @@ class Weights:
                 raise PatchError(f"{p}: several index files ({', '.join(i.name for i in indexes)})")
             if indexes:
                 self.index = indexes[0]
-                try:
-                    weight_map = json.loads(self.index.read_text())["weight_map"]
-                    shards = sorted(set(weight_map.values()))
-                except (ValueError, KeyError, TypeError, AttributeError) as exc:
-                    raise PatchError(f"{self.index}: unreadable index ({exc})") from None
+                shards = sorted(set(parse_index(self.index.read_bytes(), str(self.index)).values()))
                 missing = [s for s in shards if not (p / s).is_file()]
                 if missing:
                     raise PatchError(f"{p}: shard(s) named in {self.index.name} are absent: {', '.join(missing)}")
@@ -329,10 +327,7 @@ class Patch:
 def _meta_json(meta: dict[str, str], key: str, where: str) -> Any:
     if key not in meta:
         raise PatchError(f"{where}: metadata {key!r} is missing")
-    try:
-        return json.loads(meta[key])
-    except ValueError:
-        raise PatchError(f"{where}: metadata {key!r} is not valid JSON") from None
+    return load_json(meta[key], f"{where}: metadata {key!r}", error=PatchError, expect=None)
 
 
 def read_patch(patch_path: str | os.PathLike) -> Patch:

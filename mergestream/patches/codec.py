@@ -21,11 +21,10 @@ zstd (``zstd/<payload name>``, ``U8``, shape ``[compressed bytes]``)
 from __future__ import annotations
 
 import enum
-import json
 
 import numpy as np
 
-from ..io.st import DTYPE_SIZES, FormatError, Header, TensorEntry
+from ..io.st import DTYPE_SIZES, FormatError, Header, TensorEntry, load_json
 
 MASK = "sparse.mask/"
 ZSTD = "zstd/"
@@ -120,10 +119,7 @@ def logical_entries(hdr: Header, format_1: bool, where: str) -> tuple[list[Tenso
     stored = [e for e in hdr.entries if e.name.startswith(ZSTD)]
     if format_1 and (stored or any(e.name.startswith(MASK) for e in hdr.entries)):
         raise FormatError(f"{where}: format 1 patch holds format 2 entries")
-    try:
-        shapes = json.loads(hdr.metadata.get("compressed", "{}"))
-    except ValueError:
-        raise FormatError(f"{where}: metadata 'compressed' is not valid JSON") from None
+    shapes = load_json(hdr.metadata.get("compressed", "{}"), f"{where}: metadata 'compressed'", error=FormatError)
     out = [e for e in hdr.entries if not e.name.startswith(ZSTD)]
     compressed: dict[str, TensorEntry] = {}
     for e in stored:

@@ -11,7 +11,6 @@ files, else ``ctx.tokenizer``, else ``ctx.base`` when that is a folder.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import re
@@ -23,6 +22,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from ...errors import ProbeError
+from ...io.st import load_json
 from ...text import (
     POOLINGS,
     TOKENIZER_VOCAB_FILES,
@@ -248,11 +248,8 @@ def discover_task_probe(expert_dir: Path) -> TaskProbeSpec | None:
     missing = [f for f in (TASK_PROBE_META, TASK_PROBE_HEAD, TASK_PROBE_DATA) if not (folder / f).is_file()]
     if missing:
         raise ProbeError(f"{folder}: missing {', '.join(missing)}")
-    try:
-        meta = json.loads((folder / TASK_PROBE_META).read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ProbeError(f"{folder / TASK_PROBE_META}: not JSON ({exc})") from None
-    if not isinstance(meta, dict) or "task" not in meta:
+    meta = load_json((folder / TASK_PROBE_META).read_bytes(), str(folder / TASK_PROBE_META), error=ProbeError)
+    if "task" not in meta:
         raise ProbeError(f"{folder / TASK_PROBE_META}: expected an object with a 'task' name")
     unknown = sorted(set(meta) - {"task", "pooling", "max_examples"})
     if unknown:

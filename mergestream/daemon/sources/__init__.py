@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ..http import MAX_BODY_BYTES
 from . import folder, mlflow, s3
 from .base import (
     NOTE_PREFIX,
@@ -54,7 +55,6 @@ from .readiness import (
     torch_file_complete,
     weight_file_complete,
 )
-from ..http import MAX_BODY_BYTES
 from .webhook import WebhookReceiver, sign_webhook, verify_webhook
 
 if TYPE_CHECKING:

@@ -14,12 +14,23 @@ A candidate is ready when
     settle checks; or
 (b) it is complete **and** settled: the sizes and mtimes of all its files were observed unchanged
     for ``settle_seconds``, or the newest mtime is already ``settle_seconds`` old by the local clock
-    (what arrived while the daemon was down, or was renamed into place). With a network filesystem
-    whose clock is behind the daemon's by more than the settle time, only (a) or the completeness
-    check protect against a half written expert: prefer markers or rename-into-place there; or
-(c) it is a settled *file* that can never be an expert (:func:`.readiness.never_an_expert`: not a
-    weight file, random bytes, a header that is all there and invalid): it is emitted so that the
-    daemon rejects it with its reason and ``status`` shows it, instead of it waiting unseen.
+    (what arrived while the daemon was down, or was renamed into place), **and** it shows no sign of
+    a preallocating writer (:func:`.readiness.unwritten_reason`: a hole in a weight file's data, or
+    its last bytes all zero) written to less than ``unwritten_seconds`` ago. With a network
+    filesystem whose clock is behind the daemon's by more than these windows, only (a) or the
+    completeness check protect against a half written expert: prefer markers or rename-into-place
+    there; or
+(c) it is settled and can never be an expert (:func:`.readiness.never_an_expert`: not a weight
+    file, random bytes, a header that is all there and invalid, a declared size beyond its disk), or
+    it stayed incomplete and unchanged for ``incomplete_timeout_seconds`` (a copy that stopped for
+    good): it is emitted so that the daemon rejects it with its reason (the ledger, ``status``,
+    ``mergestream_experts_rejected_total``), instead of it waiting unseen.
+
+What waits (settled but incomplete, or possibly unwritten) and what the source rejected is shown
+in ``status`` as a note per entry (subject ``inbox:<name>``: level ``warning`` "waiting: ..." with
+the time it started waiting, level ``error`` "rejected: ..."), cleared when the entry is emitted,
+changes or goes away. An entry whose check fails unexpectedly is logged once, noted, and not looked
+at again until its files change (its signature: relative names, sizes, mtimes).
 
 The signature is taken again after the completeness check; if the files changed meanwhile (a
 writer stalled past the settle time and then went on), the candidate waits to settle anew instead of
@@ -66,8 +77,10 @@ from .readiness import (
     expert_complete,
     file_signature,
     has_marker,
+    incomplete_reason,
     is_temporary_name,
     never_an_expert,
+    unwritten_reason,
 )
 
 if TYPE_CHECKING:
@@ -140,6 +153,12 @@ class FolderSource(Source):
         on_error: called once with the OSError when inotify is exhausted and the source falls back
             to polling; its own exceptions are logged and swallowed.
         note: called with the ``status`` note while polling replaces inotify (None: no note).
+        unwritten_seconds: how long after its last write a complete-looking entry with signs of a
+            preallocating writer (see the module docstring) waits before it is ready (seconds).
+        incomplete_timeout_seconds: an entry settled but incomplete and unchanged this long
+            (seconds, by the observed signature or the newest mtime) is handed on to be rejected.
+        entry_note: ``entry_note(subject, message, level)`` keeps the ``status`` note of one inbox
+            entry (subject ``inbox:<name>``; ``message=None`` clears it); None: only logged.
 
     Attributes:
         fallback: why the inbox is polled although ``polling`` is false (the inotify error), or None.
@@ -150,7 +169,9 @@ class FolderSource(Source):
     def __init__(self, inbox: Path, emit: Emit, *, settle_seconds: float = 2.0,
                  polling: bool = False, poll_interval: float = 1.0,
                  on_error: Callable[[Exception], None] | None = None,
-                 note: Callable[[str | None], None] | None = None):
+                 note: Callable[[str | None], None] | None = None,
+                 unwritten_seconds: float = 300.0, incomplete_timeout_seconds: float = 3600.0,
+                 entry_note: Callable[[str, str | None, str], None] | None = None):
         if settle_seconds < 0:
             raise ValueError(f"settle_seconds must be >= 0, got {settle_seconds}")
         if poll_interval <= 0:
@@ -160,6 +181,10 @@ class FolderSource(Source):
         self.settle_seconds = float(settle_seconds)
         self.polling = polling
         self.poll_interval = float(poll_interval)
+        self.unwritten_seconds = float(unwritten_seconds)
+        self.incomplete_timeout_seconds = float(incomplete_timeout_seconds)
+        self.entry_note = entry_note
+        self._recheck = max(1.0, self.settle_seconds)  # seconds between checks of a waiting entry
         self._tick = max(0.05, min(0.5, self.settle_seconds / 4))
         self._noted: set[str] = set()           # names recorded by handlers since the last pass
         self._noted_lock = threading.Lock()
@@ -167,7 +192,8 @@ class FolderSource(Source):
         self._check_lock = threading.Lock()     # one check pass at a time (checker thread or scan())
         self._pending: dict[str, _Candidate] = {}
         self._emitted: dict[str, Signature] = {}
-        self._incomplete: dict[str, Signature] = {}  # settled but incomplete: recheck when it changes
+        self._incomplete: dict[str, tuple[Signature, str]] = {}  # settled but incomplete: (signature, why)
+        self._failed: dict[str, Signature] = {}  # its check raised: not looked at again until it changes
         self.on_error = on_error
         self.note = note
         self.fallback: str | None = None
@@ -390,10 +416,32 @@ class FolderSource(Source):
                 self._pending.setdefault(name, _Candidate())
             out = []
             for name in sorted(self._pending):
-                ev = self._check_one(name)
+                try:
+                    ev = self._check_one(name)
+                except Exception as exc:  # one entry must never stop (or spin) the checker
+                    self._check_failed(name, exc)
+                    continue
                 if ev is not None:
                     out.append(ev)
             return out
+
+    def _check_failed(self, name: str, exc: Exception) -> None:
+        cand = self._pending.pop(name, None)
+        sig = cand.signature if cand is not None and cand.signature is not None else file_signature(self.inbox / name)
+        if sig is not None:
+            self._failed[name] = sig
+        log.error("inbox entry check failed path=%s: %s: %s; not checked again until it changes",
+                  self.inbox / name, type(exc).__name__, exc, exc_info=True)
+        self._entry_note(name, f"{name}: cannot be checked ({type(exc).__name__}: {exc}); not checked again "
+                               "until it changes", "error")
+
+    def _entry_note(self, name: str, message: str | None, level: str = "warning") -> None:
+        if self.entry_note is None:
+            return
+        try:
+            self.entry_note(f"inbox:{name}", message, level)
+        except Exception:
+            log.warning("cannot keep the status note of inbox entry %s", name, exc_info=True)
 
     def _check_one(self, name: str) -> ExpertReady | None:
         path = self.inbox / name
@@ -403,36 +451,35 @@ class FolderSource(Source):
             del self._pending[name]
             self._emitted.pop(name, None)
             self._incomplete.pop(name, None)
+            self._failed.pop(name, None)
+            self._entry_note(name, None)
             return None
-        if sig == self._emitted.get(name):  # an event on an unchanged, already emitted expert
+        if sig == self._emitted.get(name) or sig == self._failed.get(name):  # unchanged since: nothing new
             del self._pending[name]
             return None
         now = time.monotonic()
         if sig != cand.signature:
-            cand.signature, cand.since = sig, now
+            cand.signature, cand.since, cand.retry_at = sig, now, 0.0
         if now < cand.retry_at:
             return None
+        hopeless = None
         if has_marker(path):
             why = "marker"
         else:
-            newest_ns = max((m for _, _, m in sig), default=0)
-            at_rest = newest_ns / 1e9 <= time.time() - self.settle_seconds
-            settled = now - cand.since >= self.settle_seconds or (at_rest and bool(sig))
+            age = time.time() - max((m for _, _, m in sig), default=0) / 1e9  # since the newest mtime
+            settled = now - cand.since >= self.settle_seconds or (age >= self.settle_seconds and bool(sig))
             if not settled:
                 return None
-            if sig == self._incomplete.get(name):  # checked before, unchanged: wait for an event
-                del self._pending[name]
+            wait, hopeless = self._not_ready(path, name, sig, max(now - cand.since, age))
+            if wait is not None:
+                if cand.retry_at == 0.0:
+                    log.info("inbox entry waiting (%s) path=%s", wait, path)
+                self._entry_note(name, f"{name}: waiting: {wait}")
+                cand.retry_at = now + self._recheck
                 return None
             why = "settled"
-            if not expert_complete(path):
-                hopeless = never_an_expert(path)
-                if hopeless is None:
-                    self._incomplete[name] = sig
-                    del self._pending[name]
-                    log.info("inbox entry settled but incomplete, waiting for changes path=%s", path)
-                    return None
-                # handed on so the daemon rejects it with its reason, visible in `status`
-                log.warning("inbox entry can never be an expert (%s) path=%s", hopeless, path)
+            if hopeless is not None:  # handed on so the daemon rejects it with its reason
+                log.warning("inbox entry rejected (%s) path=%s", hopeless, path)
                 why = "settled, never an expert"
             after = file_signature(path)
             if after != sig:  # written to while it was checked: what was checked is not what is there
@@ -450,8 +497,32 @@ class FolderSource(Source):
         self._emitted[name] = sig
         self._incomplete.pop(name, None)
         del self._pending[name]
+        self._entry_note(name, None if hopeless is None else f"{name}: rejected: {hopeless}", "error")
         log.info("expert ready source=folder id=%s uri=%s reason=%s", ev.expert_id, ev.uri, why)
         return ev
+
+    def _not_ready(self, path: Path, name: str, sig: Signature, unchanged: float) -> tuple[str | None, str | None]:
+        """For a settled entry without a marker: ``(why it waits, None)``, ``(None, why it can never
+        be an expert)``, or ``(None, None)`` when it is ready. ``unchanged``: seconds its files have
+        not changed (observed, or by their newest mtime)."""
+        inc = self._incomplete.get(name)
+        if inc is None or inc[0] != sig:
+            self._incomplete.pop(name, None)
+            if not expert_complete(path):
+                hopeless = never_an_expert(path)
+                if hopeless is not None:
+                    return None, hopeless
+                inc = self._incomplete[name] = (sig, incomplete_reason(path))
+        if inc is not None:
+            limit = self.incomplete_timeout_seconds
+            if unchanged >= limit:
+                return None, f"{inc[1]}, and unchanged for {limit:g} s (watch.incomplete_timeout_seconds)"
+            return f"{inc[1]}; rejected if unchanged for {limit:g} s", None
+        unwritten = unwritten_reason(path)
+        if unwritten is not None and unchanged < self.unwritten_seconds:
+            return (f"{unwritten}, as in a preallocated file still being written; folded once unchanged for "
+                    f"{self.unwritten_seconds:g} s (watch.unwritten_seconds), at once with a READY marker"), None
+        return None, None
 
 
 def build(cfg: Config, emit: Emit, context: SourceContext) -> list[Source]:
@@ -464,4 +535,6 @@ def build(cfg: Config, emit: Emit, context: SourceContext) -> list[Source]:
         return []
     return [FolderSource(cfg.inbox, emit, settle_seconds=w.settle_seconds, polling=w.polling,
                          poll_interval=w.poll_interval, on_error=lambda exc: context.on_error(name, exc),
-                         note=lambda message: context.note(name, "watch", message, level="warning"))]
+                         note=lambda message: context.note(name, "watch", message, level="warning"),
+                         unwritten_seconds=w.unwritten_seconds, incomplete_timeout_seconds=w.incomplete_timeout_seconds,
+                         entry_note=lambda subject, message, level: context.note(name, subject, message, level=level))]

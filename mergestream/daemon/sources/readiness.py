@@ -21,12 +21,21 @@ a sharded folder's index parses and every shard it names exists and is complete;
 folder's ``adapter_config.json`` parses and its weights are complete; a ``config.json`` in the
 folder, if present, parses. Marker (:func:`has_marker`): ``READY`` inside a folder, or
 ``NAME.safetensors.READY`` (the full file name plus ``.READY``) next to a single file.
+
+Size alone does not prove a file written: a preallocating writer (aria2's ``--file-allocation``,
+any ``ftruncate``-then-fill downloader) gives the file its final size first and fills it later.
+:func:`unwritten_reason` names the signs of that on a complete-looking ``.safetensors`` file: a hole
+in its data region (``SEEK_HOLE``: space reserved, never written) or its last :data:`TAIL_BYTES` all
+zero. The folder source waits while such a file was written to recently (``watch.unwritten_seconds``).
+
+Never complete (:func:`cannot_complete`): a ``.safetensors`` file whose header declares more bytes
+than the file holds plus the free space of its filesystem.
 """
 
 from __future__ import annotations
 
-import json
 import os
+import shutil
 import zipfile
 from pathlib import Path
 
@@ -41,6 +50,8 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 LEGACY_FOLDER_WEIGHTS = ("pytorch_model.bin", "model.bin", "model.pt")
 _ZIP_MAGIC = b"PK\x03\x04"
+#: Bytes at the end of a weight file's data that must not all be zero for it to look written.
+TAIL_BYTES = 4096
 
 
 def is_temporary_name(name: str) -> bool:
@@ -59,9 +70,73 @@ def safetensors_complete(path: Path) -> bool:
     """
     try:
         st.read_header(path)
-    except (st.FormatError, TypeError):  # TypeError: a hostile header (e.g. a list as a dtype)
+    except st.FormatError:
         return False
     return True
+
+
+def cannot_complete(path: Path) -> str | None:
+    """Why the ``.safetensors`` file ``path`` (or one of a folder's top-level ``*.safetensors``)
+    can never become complete, or None: its header declares more bytes than the file holds plus the
+    free space of its filesystem (a size no copy can reach). Never raises."""
+    files = [path] if path.is_file() else sorted(p for p in path.glob("*.safetensors") if not is_temporary_name(p.name))
+    for f in files:
+        if not f.name.endswith(".safetensors"):
+            continue
+        try:
+            st.read_header(f)
+        except st.IncompleteFileError as exc:
+            try:
+                size, free = f.stat().st_size, shutil.disk_usage(f.parent).free
+            except OSError:
+                continue
+            need = exc.expected_size
+            if need is not None and need - size > free:
+                where = f"{f.name}: its header" if f != path else "its header"
+                return (f"{where} declares {need} bytes, more than the file ({size} bytes) and the free space "
+                        f"of its disk ({free} bytes) can ever hold")
+        except st.FormatError:
+            continue
+    return None
+
+
+def unwritten_reason(path: Path) -> str | None:
+    """A sign that the complete-looking ``.safetensors`` file ``path`` (or a folder's, shards
+    included) is still being filled by a preallocating writer: a hole in its data region
+    (``SEEK_HOLE``, where the filesystem supports it) or its last :data:`TAIL_BYTES` bytes of data
+    all zero. None when there is no such sign (or the file is not a valid safetensors file: the
+    completeness check speaks for those). Never raises."""
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*.safetensors") if not is_temporary_name(p.name))
+    else:
+        files = [path] if path.name.endswith(".safetensors") else []
+    for f in files:
+        try:
+            why = _file_unwritten(f)
+        except (OSError, st.FormatError):
+            continue
+        if why:
+            return f"{f.relative_to(path) if f != path else f.name}: {why}"
+    return None
+
+
+def _file_unwritten(path: Path) -> str | None:
+    hdr = st.read_header(path)
+    if hdr.data_len == 0:
+        return None
+    end = hdr.data_start + hdr.data_len
+    with open(path, "rb") as fh:
+        try:
+            hole = os.lseek(fh.fileno(), hdr.data_start, getattr(os, "SEEK_HOLE"))
+        except (OSError, AttributeError):  # no SEEK_HOLE here: only the tail check
+            hole = end
+        if hole < end:
+            return f"bytes from {hole} on were reserved but not written yet (a hole in the file)"
+        n = min(TAIL_BYTES, hdr.data_len)
+        tail = os.pread(fh.fileno(), n, end - n)
+    if len(tail) == n and not tail.strip(b"\0"):
+        return f"its last {n} bytes are all zero"
+    return None
 
 
 def never_an_expert(path: Path) -> str | None:
@@ -71,9 +146,13 @@ def never_an_expert(path: Path) -> str | None:
     Never an expert: a file that is not a weight file by its suffix (``notes.txt``), or a weight
     format that is not folded (``.onnx``, ``.gguf``, ...); a
     ``.safetensors`` file whose header length is beyond the format's limit (random bytes), whose
-    header is all there but does not parse or validate, or which has bytes after its data. A
-    file whose header or data is shorter than it says is still arriving. Never raises.
+    header is all there but does not parse or validate, or which has bytes after its data; a
+    file (or a folder's top-level ``*.safetensors``) that :func:`cannot_complete`. A file whose
+    header or data is shorter than it says, and could still grow to it, is still arriving. Never
+    raises.
     """
+    if path.is_dir():
+        return cannot_complete(path)
     if not path.is_file():
         return None
     if not path.name.lower().endswith(st.WEIGHT_SUFFIXES):
@@ -85,10 +164,27 @@ def never_an_expert(path: Path) -> str | None:
     try:
         st.read_header(path)
     except st.IncompleteFileError:
-        return None
+        return cannot_complete(path)
     except st.FormatError as exc:
         return f"not a safetensors file ({exc})"
     return None
+
+
+def incomplete_reason(path: Path) -> str:
+    """Why the entry ``path`` is not complete yet, in words that stay the same while it waits
+    unchanged (for ``status``). Never raises."""
+    if path.is_file() and path.name.endswith(".safetensors"):
+        try:
+            st.read_header(path)
+        except st.IncompleteFileError as exc:
+            if exc.expected_size:
+                return f"incomplete: shorter than the {exc.expected_size} bytes its header declares"
+        except st.FormatError:
+            pass
+        return "incomplete"
+    if path.is_file():
+        return "incomplete: no end-of-archive record yet"
+    return "incomplete: not every file it needs (weights, shards, adapter or index) is there and complete"
 
 
 def torch_file_complete(path: Path) -> bool:
@@ -117,9 +213,9 @@ def weight_file_complete(path: Path) -> bool:
 
 def _json_ok(path: Path) -> bool:
     try:
-        json.loads(path.read_text())
+        st.load_json(path.read_bytes(), str(path))
         return True
-    except (OSError, ValueError):
+    except (OSError, st.FormatError):
         return False
 
 
@@ -142,9 +238,8 @@ def expert_complete(path: Path) -> bool:
         index = path / INDEX_NAME
         if index.exists():
             try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-                shards = sorted(set(weight_map.values()))
-            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                shards = sorted(set(st.parse_index(index.read_bytes(), str(index)).values()))
+            except (OSError, st.FormatError):
                 return False
             return bool(shards) and all(weight_file_complete(path / s) for s in shards)
         if (path / SINGLE_NAME).exists():

@@ -13,10 +13,11 @@ ignored), 400 (not a JSON object), 401 (token missing or wrong), 413 (body over
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 from collections.abc import Callable
 
+from ...errors import MalformedInputError
+from ...io.st import load_json
 from ..http import BackgroundHTTPServer, JsonPostHandler
 from .base import Source
 
@@ -52,8 +53,9 @@ class _Handler(JsonPostHandler):
             log.warning("s3 notification rejected: missing or wrong token from %s", self.client_address[0])
             return self.reply(401, "invalid token")
         try:
-            names = event_names(json.loads(body))
-        except ValueError:
+            names = event_names(load_json(body, "s3 notification body", error=MalformedInputError, expect=None))
+        except MalformedInputError as exc:
+            log.warning("s3 notification rejected from %s: %s", self.client_address[0], exc)
             return self.reply(400, "body is not JSON")
         created = [n for n in names if "ObjectCreated" in n]
         if not created:

@@ -14,11 +14,12 @@ import base64
 import binascii
 import hashlib
 import hmac
-import json
 import logging
 import time
 from collections.abc import Callable
 
+from ...errors import MalformedInputError
+from ...io.st import load_json
 from ..http import BackgroundHTTPServer, JsonPostHandler
 from .base import Source
 
@@ -87,10 +88,14 @@ class _WebhookHandler(JsonPostHandler):
             log.warning("webhook rejected: bad or missing signature from %s", self.client_address[0])
             return self.reply(401, "invalid signature")
         try:
-            payload = json.loads(body)
-            event = f"{payload.get('entity')}.{payload.get('action')}"
-        except (ValueError, AttributeError):
+            payload = load_json(body, "webhook body", error=MalformedInputError)
+        except MalformedInputError as exc:
+            log.warning("webhook rejected from %s: %s", self.client_address[0], exc)
             return self.reply(400, "body is not a JSON object")
+        entity, action = payload.get("entity"), payload.get("action")
+        if not (isinstance(entity, str) and isinstance(action, str)):
+            return self.reply(400, "entity and action must be strings")
+        event = f"{entity}.{action}"
         if event != "model_version.created":
             log.debug("webhook event ignored: %s", event)
             return self.reply(200, f"ignored {event}")
