@@ -138,7 +138,7 @@ class Pipeline:
         backbone = cur / "model" if cur else None
         log.info("fold start expert=%s policy=%s backbone=%s", row.expert_id, pol.name, backbone)
         if row.registry_key and not self.still_available(row.registry_key):
-            return Outcome("rejected", "the registry version was deleted before it was folded", "validation")
+            return Outcome("rejected", "the expert was deleted or replaced in its source before it was folded", "validation")
         try:
             policy = pol.make()  # this attempt's one Policy object: for the objective and the fold
             src = self.presteps.adapt(row, att) if "ri" in pol.preprocess else row.uri

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from ...redaction import redact_uris
-from .readiness import FILE_SUFFIXES, loadable_folder
+from .readiness import FILE_SUFFIXES, folder_member, loadable_folder
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,9 @@ def artifact_listing(uri: str, *, tracking_uri: str | None, registry_uri: str | 
 
 def verify_copy(local: Path, listing: dict[str, int | None], what: str) -> None:
     """Check the local copy ``local`` (the file or folder a download produced) against ``listing``
-    (:func:`artifact_listing`): every listed file exists with the listed size.
+    (:func:`artifact_listing`): every listed file of the expert exists with the listed size (for a
+    folder, the files :func:`~.readiness.folder_member` takes: ``.gitattributes`` and other hidden
+    or temporary names are not part of the expert).
 
     Raises:
         DownloadIncomplete: the listing is empty, or a file is missing or of another size (the
@@ -104,6 +106,8 @@ def verify_copy(local: Path, listing: dict[str, int | None], what: str) -> None:
         raise DownloadIncomplete(f"{what}: the artifact listing names no files")
     problems = []
     for rel, size in sorted(listing.items()):
+        if rel and not folder_member(rel):
+            continue
         path = local / rel if rel else local
         try:
             have = path.stat().st_size if path.is_file() else None
@@ -132,7 +136,7 @@ def resolve_expert_path(p: Path) -> Path:
     for _ in range(16):  # depth bound
         if p.is_file() or loadable_folder(p):
             return p
-        entries = [e for e in p.iterdir() if not e.name.startswith(".")]
+        entries = [e for e in p.iterdir() if folder_member(e.name)]
         if len(entries) == 1:
             p = entries[0]
             continue

@@ -61,6 +61,20 @@ def is_temporary_name(name: str) -> bool:
     return name.startswith(".") or name.endswith("~") or low.endswith(TEMP_SUFFIXES)
 
 
+def folder_member(rel: str) -> bool:
+    """True if the file at ``rel`` (a ``/``-separated path relative to a folder expert) is part of
+    the expert: not the folder's ``READY`` marker, not a folder placeholder (ending in ``/``), and
+    no part of it a temporary or hidden name (:func:`is_temporary_name`: ``.gitattributes``,
+    ``.cache/huggingface/...``, ``x.part``).
+
+    The one definition of a folder expert's files: the inbox's change signature
+    (:func:`file_signature`), the S3 source's listing, folder tag, download and pre-fold check, and
+    the MLflow source's copy check all use it.
+    """
+    parts = rel.split("/")
+    return bool(rel) and rel != MARKER_NAME and all(parts) and not any(is_temporary_name(p) for p in parts)
+
+
 def safetensors_complete(path: Path) -> bool:
     """True if ``path`` is a whole safetensors file, as :func:`mergestream.io.st.read_header` checks
     it: the header parses and validates and the file size equals ``8 + header length + end offset of
@@ -278,8 +292,8 @@ Signature = tuple[tuple[str, int, int], ...]
 
 
 def file_signature(path: Path) -> Signature | None:
-    """Sizes (bytes) and mtimes (ns) of the candidate's files (recursively for a folder; temporary
-    names and the folder's ``READY`` marker excluded, so a marker added later is not a change); None
+    """Sizes (bytes) and mtimes (ns) of the candidate's files (recursively for a folder: the files
+    :func:`folder_member` takes, so a marker added later is not a change); None
     if ``path`` does not exist. Never raises."""
     try:
         stat = path.stat()
@@ -299,6 +313,6 @@ def file_signature(path: Path) -> Signature | None:
             except OSError:
                 continue
             rel = os.path.relpath(p, path)
-            if rel != MARKER_NAME:
+            if folder_member(rel.replace(os.sep, "/")):
                 out.append((rel, s.st_size, s.st_mtime_ns))
     return tuple(sorted(out))

@@ -10,7 +10,10 @@ any number of pages). What lies under the prefix:
   its header declares is a truncated object: reported once (error log, ``on_error``, status note)
   and never folded; a re-upload fixes it.
 * ``<prefix><name>/...`` (a folder-like prefix): one folder expert (a Hugging Face folder, a PEFT
-  adapter), ready once its ``READY`` marker object ``<prefix><name>/READY`` exists.
+  adapter), ready once its ``READY`` marker object ``<prefix><name>/READY`` exists. Its files are
+  those :func:`~.readiness.folder_member` takes (one definition for the listing, the folder tag,
+  the download and the pre-fold check): hidden and temporary names inside it (``.gitattributes``,
+  ``.cache/...``, ``*.part``) are not part of the expert.
 * anything else (hidden or temporary names, other files at the top) is ignored.
 
 A multipart upload in progress is not listed by S3 until it completes, so it is simply not seen.
@@ -74,7 +77,7 @@ from ..s3client import (
     read_range,
 )
 from .base import Cursors, Emit, ExpertReady, Source, SourceContext
-from .readiness import MARKER_NAME, is_temporary_name
+from .readiness import MARKER_NAME, folder_member, is_temporary_name
 
 if TYPE_CHECKING:
     from ...config import Config
@@ -159,27 +162,36 @@ def list_objects(client: Any, bucket: str, prefix: str, page_size: int = 1000) -
         raise classify(exc) from exc
 
 
+def folder_candidate(key: str, objects: list[Listed]) -> Candidate | None:
+    """The folder expert at ``key`` (``<prefix><name>/``) made of ``objects`` (those listed under
+    it): its files are the objects :func:`~.readiness.folder_member` takes (hidden and temporary
+    names such as ``.gitattributes`` are not part of it), its tag is :func:`folder_tag` of those
+    files and the ``READY`` marker. None while the marker is absent or there is no file.
+
+    The listing and the pre-fold check (:func:`version_exists`) both build the expert here."""
+    marker = [o for o in objects if o.key == key + MARKER_NAME]
+    files = tuple(o for o in objects if o.key.startswith(key) and folder_member(o.key[len(key):]))
+    if not marker or not files:
+        return None
+    return Candidate(key, folder_tag([*files, *marker]), files, key.rstrip("/").rpartition("/")[2])
+
+
 def candidates(objects: list[Listed], prefix: str) -> tuple[list[Candidate], list[Listed]]:
-    """Split a listing into folder experts whose READY marker exists, and single-file
-    ``.safetensors`` objects (not yet checked for readiness). See the module docstring."""
+    """Split a listing into folder experts whose READY marker exists (:func:`folder_candidate`),
+    and single-file ``.safetensors`` objects (not yet checked for readiness). See the module
+    docstring."""
     folders: dict[str, list[Listed]] = {}
     singles: list[Listed] = []
     for o in objects:
         rel = o.key[len(prefix):]
         parts = rel.split("/")
-        if not rel or any(is_temporary_name(p) for p in parts if p):
+        if not rel or is_temporary_name(parts[0]):
             continue
         if len(parts) > 1:
             folders.setdefault(parts[0], []).append(o)
         elif rel.endswith(".safetensors"):
             singles.append(o)
-    ready = []
-    for name, objs in sorted(folders.items()):
-        marker = f"{prefix}{name}/{MARKER_NAME}"
-        if any(o.key == marker for o in objs):
-            body = tuple(o for o in objs if o.key != marker and not o.key.endswith("/"))
-            if body:
-                ready.append(Candidate(f"{prefix}{name}/", folder_tag(list(objs)), body, name))
+    ready = [c for name, objs in sorted(folders.items()) if (c := folder_candidate(f"{prefix}{name}/", objs))]
     return ready, singles
 
 
@@ -500,8 +512,8 @@ def version_exists(client: Callable[[], Any], rkey: str) -> bool:
     try:
         c = client()
         if key.endswith("/"):
-            objs = list_objects(c, bucket, key)
-            gone = folder_tag(objs) != tag or not any(o.key == key + MARKER_NAME for o in objs)
+            cand = folder_candidate(key, list_objects(c, bucket, key))
+            gone = cand is None or cand.tag != tag
         else:
             try:
                 c.head_object(Bucket=bucket, Key=key, IfMatch=quoted(tag))
