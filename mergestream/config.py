@@ -161,10 +161,11 @@ class WatchConfig(_Section):
     polling: bool = Field(False, description="poll the folder instead of inotify (network filesystems)")
     poll_interval: float = Field(1.0, gt=0, description="polling / settle check period (s)")
     unwritten_seconds: float = Field(
-        300.0, ge=0, description="a complete-looking weight file with a hole in its data or an all-zero tail "
-                                 "(a preallocated file still being written) waits until unchanged this long (s)")
+        300.0, ge=0, description="a complete-looking weight file with a hole in its data or a trailing zero run "
+                                 "beginning inside a tensor (a preallocated file still being written) waits until unchanged this long (s)")
     incomplete_timeout_seconds: float = Field(
-        3600.0, gt=0, description="an inbox entry still incomplete and unchanged this long (s) is rejected "
+        3600.0, gt=0, description="an inbox entry still incomplete and unchanged this long (s, as seen by the "
+                                  "running daemon) is rejected "
                                   "(a copy that stopped for good)")
 
 

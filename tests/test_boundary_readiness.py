@@ -210,13 +210,14 @@ def test_a_preallocated_download_is_folded_once_complete_never_half_written(tmp_
         assert Path(ev.uri).read_bytes() == data
 
 
-def test_a_whole_file_that_ends_in_zeros_is_folded_after_the_unwritten_window_or_with_a_marker(tmp_path, started):
+def test_zero_tensors_at_the_end_are_ready_and_a_zero_run_inside_a_tensor_waits_for_the_window(tmp_path, started):
     import torch
     from safetensors.torch import save
 
     inbox = tmp_path / "inbox"
     inbox.mkdir()
-    zeros = save({"a.weight": torch.randn(8, 8), "z.bias": torch.zeros(2048)})
+    (inbox / "zero-tensor.safetensors").write_bytes(save({"a.weight": torch.randn(8, 8), "z.bias": torch.zeros(2048)}))
+    zeros = save({"a.weight": torch.randn(8, 8), "z.bias": torch.cat([torch.randn(100), torch.zeros(2048)])})
     (inbox / "legit.safetensors").write_bytes(zeros)
     (inbox / "marked.safetensors").write_bytes(zeros)
     (inbox / "marked.safetensors.READY").touch()
@@ -225,7 +226,8 @@ def test_a_whole_file_that_ends_in_zeros_is_folded_after_the_unwritten_window_or
     got, notes = Collector(), Notes()
     t0 = time.monotonic()
     started(source(inbox, got, notes, unwritten_seconds=2.0))
-    got.wait_for(2, timeout=10)
-    assert sorted(Path(u).name for u in got.uris[:2]) == ["marked.safetensors", "old.safetensors"]
     got.wait_for(3, timeout=10)
-    assert Path(got.uris[2]).name == "legit.safetensors" and got.times[2] - t0 >= 1.0
+    assert sorted(Path(u).name for u in got.uris[:3]) == ["marked.safetensors", "old.safetensors",
+                                                          "zero-tensor.safetensors"]
+    got.wait_for(4, timeout=10)
+    assert Path(got.uris[3]).name == "legit.safetensors" and got.times[3] - t0 >= 1.0

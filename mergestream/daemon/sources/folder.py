@@ -156,7 +156,7 @@ class FolderSource(Source):
         unwritten_seconds: how long after its last write a complete-looking entry with signs of a
             preallocating writer (see the module docstring) waits before it is ready (seconds).
         incomplete_timeout_seconds: an entry settled but incomplete and unchanged this long
-            (seconds, by the observed signature or the newest mtime) is handed on to be rejected.
+            (seconds, as observed by this source) is handed on to be rejected.
         entry_note: ``entry_note(subject, message, level)`` keeps the ``status`` note of one inbox
             entry (subject ``inbox:<name>``; ``message=None`` clears it); None: only logged.
 
@@ -193,6 +193,7 @@ class FolderSource(Source):
         self._pending: dict[str, _Candidate] = {}
         self._emitted: dict[str, Signature] = {}
         self._incomplete: dict[str, tuple[Signature, str]] = {}  # settled but incomplete: (signature, why)
+        self._unwritten: dict[str, tuple[Signature, str | None]] = {}  # unwritten_reason per signature
         self._failed: dict[str, Signature] = {}  # its check raised: not looked at again until it changes
         self.on_error = on_error
         self.note = note
@@ -452,6 +453,7 @@ class FolderSource(Source):
             self._emitted.pop(name, None)
             self._incomplete.pop(name, None)
             self._failed.pop(name, None)
+            self._unwritten.pop(name, None)
             self._entry_note(name, None)
             return None
         if sig == self._emitted.get(name) or sig == self._failed.get(name):  # unchanged since: nothing new
@@ -470,7 +472,7 @@ class FolderSource(Source):
             settled = now - cand.since >= self.settle_seconds or (age >= self.settle_seconds and bool(sig))
             if not settled:
                 return None
-            wait, hopeless = self._not_ready(path, name, sig, max(now - cand.since, age))
+            wait, hopeless = self._not_ready(path, name, sig, now - cand.since, age)
             if wait is not None:
                 if cand.retry_at == 0.0:
                     log.info("inbox entry waiting (%s) path=%s", wait, path)
@@ -496,15 +498,17 @@ class FolderSource(Source):
             return None
         self._emitted[name] = sig
         self._incomplete.pop(name, None)
+        self._unwritten.pop(name, None)
         del self._pending[name]
         self._entry_note(name, None if hopeless is None else f"{name}: rejected: {hopeless}", "error")
         log.info("expert ready source=folder id=%s uri=%s reason=%s", ev.expert_id, ev.uri, why)
         return ev
 
-    def _not_ready(self, path: Path, name: str, sig: Signature, unchanged: float) -> tuple[str | None, str | None]:
+    def _not_ready(self, path: Path, name: str, sig: Signature, observed: float,
+                   age: float) -> tuple[str | None, str | None]:
         """For a settled entry without a marker: ``(why it waits, None)``, ``(None, why it can never
-        be an expert)``, or ``(None, None)`` when it is ready. ``unchanged``: seconds its files have
-        not changed (observed, or by their newest mtime)."""
+        be an expert)``, or ``(None, None)`` when it is ready. ``observed``: seconds this source has
+        seen its files unchanged; ``age``: seconds since their newest mtime."""
         inc = self._incomplete.get(name)
         if inc is None or inc[0] != sig:
             self._incomplete.pop(name, None)
@@ -515,11 +519,13 @@ class FolderSource(Source):
                 inc = self._incomplete[name] = (sig, incomplete_reason(path))
         if inc is not None:
             limit = self.incomplete_timeout_seconds
-            if unchanged >= limit:
+            if observed >= limit:  # observed only: an old mtime is not a copy that stopped
                 return None, f"{inc[1]}, and unchanged for {limit:g} s (watch.incomplete_timeout_seconds)"
             return f"{inc[1]}; rejected if unchanged for {limit:g} s", None
-        unwritten = unwritten_reason(path)
-        if unwritten is not None and unchanged < self.unwritten_seconds:
+        if self._unwritten.get(name, (None,))[0] != sig:  # the check reads: once per signature
+            self._unwritten[name] = (sig, unwritten_reason(path))
+        unwritten = self._unwritten[name][1]
+        if unwritten is not None and max(observed, age) < self.unwritten_seconds:
             return (f"{unwritten}, as in a preallocated file still being written; folded once unchanged for "
                     f"{self.unwritten_seconds:g} s (watch.unwritten_seconds), at once with a READY marker"), None
         return None, None

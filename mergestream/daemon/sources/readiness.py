@@ -25,8 +25,9 @@ folder, if present, parses. Marker (:func:`has_marker`): ``READY`` inside a fold
 Size alone does not prove a file written: a preallocating writer (aria2's ``--file-allocation``,
 any ``ftruncate``-then-fill downloader) gives the file its final size first and fills it later.
 :func:`unwritten_reason` names the signs of that on a complete-looking ``.safetensors`` file: a hole
-in its data region (``SEEK_HOLE``: space reserved, never written) or its last :data:`TAIL_BYTES` all
-zero. The folder source waits while such a file was written to recently (``watch.unwritten_seconds``).
+in its data region (``SEEK_HOLE``: space reserved, never written) or a run of at least
+:data:`TAIL_BYTES` zero bytes ending the data that begins inside a tensor (zero tensors at the end,
+which begin at a tensor's start, are legitimate). The folder source waits while such a file was written to recently (``watch.unwritten_seconds``).
 
 Never complete (:func:`cannot_complete`): a ``.safetensors`` file whose header declares more bytes
 than the file holds plus the free space of its filesystem.
@@ -50,8 +51,27 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 LEGACY_FOLDER_WEIGHTS = ("pytorch_model.bin", "model.bin", "model.pt")
 _ZIP_MAGIC = b"PK\x03\x04"
-#: Bytes at the end of a weight file's data that must not all be zero for it to look written.
+#: A run of zero bytes at least this long at the end of a weight file's data that does not begin at
+#: a tensor's start is a sign of a preallocated file not filled yet.
 TAIL_BYTES = 4096
+#: How far back (bytes) the trailing zero run is followed; a longer one is always a sign.
+ZERO_RUN_SCAN = 16 * 1024 * 1024
+
+
+def _zero_run_start(fd: int, begin: int, end: int) -> int:
+    """Where the run of zero bytes that ends the range [begin, end) of ``fd`` starts (``end``: none),
+    followed back at most :data:`ZERO_RUN_SCAN` bytes."""
+    pos, limit = end, max(begin, end - ZERO_RUN_SCAN - 1)
+    while pos > limit:
+        n = min(64 * 1024, pos - limit)
+        chunk = os.pread(fd, n, pos - n)
+        if len(chunk) != n:
+            return end
+        stripped = chunk.rstrip(b"\0")
+        if stripped:
+            return pos - n + len(stripped)
+        pos -= n
+    return pos
 
 
 def is_temporary_name(name: str) -> bool:
@@ -117,8 +137,8 @@ def cannot_complete(path: Path) -> str | None:
 def unwritten_reason(path: Path) -> str | None:
     """A sign that the complete-looking ``.safetensors`` file ``path`` (or a folder's, shards
     included) is still being filled by a preallocating writer: a hole in its data region
-    (``SEEK_HOLE``, where the filesystem supports it) or its last :data:`TAIL_BYTES` bytes of data
-    all zero. None when there is no such sign (or the file is not a valid safetensors file: the
+    (``SEEK_HOLE``, where the filesystem supports it) or a trailing run of zero bytes, at least
+    :data:`TAIL_BYTES` long, that begins inside a tensor. None when there is no such sign (or the file is not a valid safetensors file: the
     completeness check speaks for those). Never raises."""
     if path.is_dir():
         files = sorted(p for p in path.rglob("*.safetensors") if not is_temporary_name(p.name))
@@ -146,11 +166,14 @@ def _file_unwritten(path: Path) -> str | None:
             hole = end
         if hole < end:
             return f"bytes from {hole} on were reserved but not written yet (a hole in the file)"
-        n = min(TAIL_BYTES, hdr.data_len)
-        tail = os.pread(fh.fileno(), n, end - n)
-    if len(tail) == n and not tail.strip(b"\0"):
-        return f"its last {n} bytes are all zero"
-    return None
+        start = _zero_run_start(fh.fileno(), hdr.data_start, end)
+    if end - start < min(TAIL_BYTES, hdr.data_len):
+        return None
+    # zero tensors at the end are legitimate (a zero-initialised buffer): the run then begins at a tensor
+    # start (up to 8 bytes earlier: the zero high bytes of the previous tensor's last element)
+    if any(start <= e.offset <= start + 8 for e in hdr.entries) and end - start <= ZERO_RUN_SCAN:
+        return None
+    return f"its last {end - start}{'+' if end - start > ZERO_RUN_SCAN else ''} bytes are zero, from inside a tensor"
 
 
 def never_an_expert(path: Path) -> str | None:
