@@ -85,7 +85,8 @@ def listen_hint(exc: ListenError, section: str) -> str:
     refused its ``host`` and ``port``: the port when it is taken or privileged, else the host."""
     env = "MERGESTREAM_" + section.upper().replace(".", "__")
     if exc.errno == errno.EADDRINUSE:
-        return f"set {section}.port (or {env}__PORT) to a free port, or 0 for any free one"
+        return (f"{section}.port {exc.port} is taken: set {section}.port (or {env}__PORT) to a free port, "
+                "or 0 for any free one")
     if exc.errno == errno.EACCES:
         return f"ports below 1024 need privileges: set {section}.port (or {env}__PORT) above 1023"
     return (f"set {section}.host (or {env}__HOST) to an address of this machine: 127.0.0.1 or ::1, "
