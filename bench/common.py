@@ -379,7 +379,8 @@ def mergestream_source(args: argparse.Namespace) -> tuple[dict[str, str] | None,
     # install leaves it: otherwise the first timed child compiles it (seconds)
     for module in ("engine.fused", "fused"):  # the layout since the root packages, and before
         if (dest / "mergestream" / f"{module.replace('.', '/')}.py").exists():
-            subprocess.run([sys.executable, "-c", f"import mergestream.{module}"], check=True,
+            # run in the snapshot: `python -c` puts the working directory first on sys.path
+            subprocess.run([sys.executable, "-c", f"import mergestream.{module}"], check=True, cwd=dest,
                            env=dict(os.environ, PYTHONPATH=str(dest)))
             break
     info.update(source=f"git snapshot {sha}", rev=args.rev, commit=sha, path=str(dest))
