@@ -100,23 +100,38 @@ def run_target(name: str, out: Path, seconds: int, timeout: int, rss_mb: int) ->
             "exec_per_s": round(stats.get("number_of_executed_units", 0) / max(wall, 1e-9), 1),
             "cov": int(cov[-1][1]) if cov else None, "ft": int(cov[-1][2]) if cov else None,
             "corpus": int(cov[-1][3]) if cov else None, "peak_rss_mb": stats.get("peak_rss_mb"),
-            "regressions_replayed": len(regressions), "crashes": new_crashes, "exit": rc,
+            "regressions_replayed": len(regressions), "crashes": new_crashes, "exit": rc, "commit": _commit(),
+            "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "log_tail": "" if rc == 0 else text[-2000:]}
 
 
+def _commit() -> str:
+    """The short commit of the fuzzed tree (``+dirty`` with changes under mergestream/), or ``?``."""
+    try:
+        sha = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "mergestream"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return sha + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "?"
+
+
 def render(rows: list[dict], args) -> str:
-    """The markdown report of one run."""
+    """The markdown report: one row per target (a rerun of some targets keeps the others' rows, each
+    with the commit it fuzzed and when it finished)."""
     lines = ["# Fuzzing the parsers of outside bytes", "",
              f"`{' '.join(['python', 'bench/fuzz.py', *sys.argv[1:]])}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
              f"{os.cpu_count()} CPUs, {args.jobs} target(s) at a time; atheris (libFuzzer), only `mergestream` "
              "instrumented; timeout per input "
              f"{args.timeout} s, RSS limit {args.rss_limit_mb} MiB. Targets and the contract: `bench/fuzz_targets.py`.",
              "", "| target | seconds | executions | exec/s | cov (edges) | ft | corpus | peak RSS MiB | "
-             "regressions replayed | crashes |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "regressions replayed | crashes | commit, finished |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
     for r in rows:
         lines.append(f"| {r['target']} | {r['seconds']:.0f} | {r['executions']:,} | {r['exec_per_s']:,.0f} | {r['cov']} | "
                      f"{r['ft']} | {r['corpus']} | {r['peak_rss_mb']} | {r['regressions_replayed']} | "
-                     f"{', '.join(r['crashes']) or 'none'} |")
+                     f"{', '.join(r['crashes']) or 'none'} | {r.get('commit', '?')}, {r.get('finished', '?')} |")
     fixed = sorted(f"{d.name}/{f.name}" for d in REGRESSIONS.glob("*") if d.is_dir() for f in d.iterdir())
     lines += ["", "## Crashes found and fixed", "",
               "Every input that crashed a target is kept in `tests/fuzz_regressions/<target>/` and replayed by "
@@ -147,6 +162,12 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
         rows = list(pool.map(lambda n: run_target(n, args.out, args.seconds, args.timeout, args.rss_limit_mb), names))
+    if args.targets and not args.no_results and (RESULTS / "fuzz.json").is_file():
+        # a rerun of some targets (after a fix) keeps the other targets' rows of the last report
+        again = {r["target"] for r in rows}
+        kept = [r for r in json.loads((RESULTS / "fuzz.json").read_text()).get("rows", []) if r["target"] not in again]
+        order = list(fuzz_targets.TARGET_NAMES)
+        rows = sorted(kept + rows, key=lambda r: order.index(r["target"]) if r["target"] in order else len(order))
     report = render(rows, args)
     print(report)
     if not args.no_results:
