@@ -95,7 +95,8 @@ def run_target(name: str, out: Path, seconds: int, timeout: int, rss_mb: int) ->
     text = log.read_text(errors="replace")
     stats = {k: int(v) for k, v in _STAT.findall(text)}
     cov = _COV.findall(text)
-    new_crashes = sorted(p.name for p in set(crashes.iterdir()) - before)
+    # targets may run at the same time into one folder: only this target's artifacts are its crashes
+    new_crashes = sorted(p.name for p in set(crashes.iterdir()) - before if p.name.startswith(f"{name}-"))
     return {"target": name, "seconds": round(wall, 1), "executions": stats.get("number_of_executed_units", 0),
             "exec_per_s": round(stats.get("number_of_executed_units", 0) / max(wall, 1e-9), 1),
             "cov": int(cov[-1][1]) if cov else None, "ft": int(cov[-1][2]) if cov else None,
