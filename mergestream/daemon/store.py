@@ -26,7 +26,7 @@ from typing import Any, Protocol
 from filelock import FileLock, Timeout
 
 from ..errors import MergestreamError, StateError
-from ..io.st import fsync_dir, link_or_copy
+from ..io.st import fsync_dir, link_or_copy, naming
 from ..io.state import StateDir
 from ..io.versions import Versions
 
@@ -144,7 +144,7 @@ class Store(Versions):
         fold = dict(fold, version=number)
         # the published state names its own version's model, not the staging folder it was built in
         StateDir(staging / "state").set_backbone(self.path(number) / "model")
-        with open(staging / "fold.json", "w") as fh:
+        with naming(staging / "fold.json"), open(staging / "fold.json", "w") as fh:
             json.dump(fold, fh, indent=2, default=str)
             fh.flush()
             os.fsync(fh.fileno())

@@ -23,6 +23,7 @@ Weights hash (:class:`WeightsHash`)
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import json
@@ -344,6 +345,19 @@ class WeightsHash:
         if self._seen != self._count or self._open:
             raise FormatError(f"weights hash: {self._seen} of {self._count} tensors fed")
         return self._h.hexdigest()
+
+
+@contextlib.contextmanager
+def naming(path: str | os.PathLike):
+    """Give an ``OSError`` raised inside without a path (calls on a descriptor or an open file:
+    ``pwrite``, ``ftruncate``, ``fsync``, ``write``) the ``path`` it concerns, so that a full disk
+    or a lost mount is reported with the file it hit."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is None and exc.errno is not None:
+            exc.filename = os.fspath(path)
+        raise
 
 
 def pwrite_all(fd: int, data, offset: int) -> None:

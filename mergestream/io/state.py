@@ -27,7 +27,7 @@ import torch
 
 from ..errors import StateError
 from .checkpoints import Checkpoint, open_checkpoint
-from .st import fsync_dir, load_json
+from .st import fsync_dir, load_json, naming
 
 MANIFEST = "manifest.json"
 SEP = "::"
@@ -143,10 +143,14 @@ class StateDir:
             os.replace(f, f.with_suffix(""))
         tmp = self.path / f".{MANIFEST}.{uuid.uuid4().hex[:8]}"
         data = asdict(manifest)
-        with open(tmp, "w") as fh:
-            json.dump(data, fh, indent=2)
-            fh.flush()
-            os.fsync(fh.fileno())
+        try:
+            with naming(tmp), open(tmp, "w") as fh:
+                json.dump(data, fh, indent=2)
+                fh.flush()
+                os.fsync(fh.fileno())
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         os.replace(tmp, self.path / MANIFEST)
         fsync_dir(self.path)
         self.close()
