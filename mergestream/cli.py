@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from .errors import MergestreamError, os_error_text
+from .errors import MergestreamError, error_line
 from .patches.codec import FORMAT_NUMBERS
 
 if TYPE_CHECKING:  # the engine (torch) loads only when a verb runs
@@ -40,7 +40,7 @@ def _fail_cleanly(fn):
             click.echo(f"error: {type(exc).__name__}: {msg}", err=True)
             sys.exit(EXIT_BAD_INPUT)
         except OSError as exc:
-            click.echo(f"error: {type(exc).__name__}: {os_error_text(exc)}", err=True)
+            click.echo(f"error: {error_line(exc)}", err=True)
             sys.exit(EXIT_BAD_INPUT)
 
     return wrapper

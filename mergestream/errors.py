@@ -124,3 +124,11 @@ def os_error_text(exc: OSError) -> str:
 
     where = name(exc.filename) + (f" -> {name(exc.filename2)}" if exc.filename2 is not None else "")
     return redact_uris(f"{where}: {reason}".replace("\r", "\\r").replace("\n", "\\n"))
+
+
+def error_line(exc: BaseException) -> str:
+    """The one line a command prints for ``exc`` (after ``error: ``): an operating-system error as
+    ``<Type>: <path>: <reason>`` (:func:`os_error_text`), any other error as its text on one line."""
+    if isinstance(exc, OSError):
+        return f"{type(exc).__name__}: {os_error_text(exc)}"
+    return " ".join(str(exc).split())

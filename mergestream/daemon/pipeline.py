@@ -135,6 +135,8 @@ class Pipeline:
             self.ledger.requeue_interrupted()
             log.warning("fold of %s abandoned: stop requested; it stays queued for the next start", row.expert_id)
             return "pending"
+        except OSError as exc:  # the probes' or the gate's disk
+            return self.storage_failure(row.expert_id, att, exc)
         before = self.store.current()
         try:
             self.conclude(att, outcome)
@@ -241,21 +243,18 @@ class Pipeline:
 
         Raises:
             MergestreamError: the engine could not unmerge (nothing was published or recorded).
+            OSError: a full disk, a read-only or lost state folder (nothing was published).
         """
         cur = self.store.current_path()
         mode = self.cfg.policy.unmerge_mode
         att = Attempt("unmerge", expert_id, self.store.new_staging(), time.time(), params={"mode": mode})
-        self.store.carry_state(att.staging / "state")
-        try:
+        try:  # an OSError (a full disk) leaves no staging folder and current as it was
+            self.store.carry_state(att.staging / "state")
             engine.unmerge(att.staging / "state", expert_id, mode, out=att.staging / "model",
                            backbone=cur / "model", base=self.cfg.base, options=self.options())
-        except (MergestreamError, OSError):
-            shutil.rmtree(att.staging, ignore_errors=True)
-            raise
-        outcome = self.probe_and_gate(att)
-        try:
+            outcome = self.probe_and_gate(att)
             self.conclude(att, outcome)
-        except OSError:
+        except (MergestreamError, OSError):
             shutil.rmtree(att.staging, ignore_errors=True)
             raise
         return outcome.decision

@@ -139,6 +139,10 @@ class Store(Versions):
 
         Returns:
             The new version number.
+
+        Raises:
+            OSError: the disk is full, the state folder read-only or gone: nothing is published
+                (the candidate is back in ``staging``, or gone with it), ``current`` is unchanged.
         """
         number = self.next_number()
         fold = dict(fold, version=number)
@@ -151,8 +155,15 @@ class Store(Versions):
         fsync_dir(staging)
         self.versions_dir.mkdir(parents=True, exist_ok=True)
         os.rename(staging, self.path(number))
-        fsync_dir(self.versions_dir)
-        self.point_current(number)
+        try:
+            fsync_dir(self.versions_dir)
+            self.point_current(number)
+        except OSError:  # not published after all: no version that was never current is left
+            try:
+                os.rename(self.path(number), staging)
+            except OSError:
+                shutil.rmtree(self.path(number), ignore_errors=True)
+            raise
         return number
 
     def point_current(self, number: int) -> None:
@@ -161,7 +172,11 @@ class Store(Versions):
             raise MergestreamError(f"version {number} does not exist in {self.versions_dir}")
         tmp = self.root / f".current-{uuid.uuid4().hex[:8]}"
         os.symlink(os.path.join("versions", f"{number:06d}"), tmp)
-        os.replace(tmp, self.current_link)
+        try:
+            os.replace(tmp, self.current_link)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         fsync_dir(self.root)
         for publisher in self.publishers:  # after the local commit: a publisher never touches the store
             publisher.point(number, self.path(number))

@@ -414,7 +414,8 @@ def fsync_dir(path: str | os.PathLike) -> None:
     """fsync a directory so that renames inside it are durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
+        with naming(path):
+            os.fsync(fd)
     finally:
         os.close(fd)
 

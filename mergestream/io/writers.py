@@ -293,8 +293,13 @@ def staged_output(out: str | os.PathLike, *, overwrite: bool = False) -> Iterato
     out = Path(out)
     if out.exists() and not overwrite:
         raise OutputExistsError(f"{out} already exists; choose a new output path")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=out.parent))
+    made = [p for p in (out.parent, *out.parent.parents) if not p.exists()]  # removed again on error
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=out.parent))
+    except BaseException:
+        _remove_empty(made)
+        raise
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(stage, 0o777 & ~umask)  # mkdtemp makes 0700; outputs get the usual folder mode
@@ -311,7 +316,15 @@ def staged_output(out: str | os.PathLike, *, overwrite: bool = False) -> Iterato
         st.fsync_dir(out.parent)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
+        _remove_empty(made)
         raise
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove the folders an output created for itself (deepest first), where still empty."""
+    for p in folders:
+        with contextlib.suppress(OSError):
+            p.rmdir()
 
 
 def copy_aux_files(src: Checkpoint, dest: Path) -> list[str]:

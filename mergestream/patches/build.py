@@ -29,7 +29,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from ..errors import MergestreamError, OutputExistsError
-from ..io.st import WEIGHTS_HASH_TAG, TensorEntry, encode_header, naming, u64le
+from ..io.st import WEIGHTS_HASH_TAG, TensorEntry, encode_header, fsync_dir, naming, u64le
 from . import (
     DENSE,
     SPARSE_INDICES,
@@ -207,7 +207,7 @@ def build_patch(src_model_dir: str | os.PathLike, dst_model_dir: str | os.PathLi
         spool_fh = tempfile.NamedTemporaryFile(prefix=f".{out.name}.spool-", dir=out.parent, delete=False)
         tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:12]}")
         try:
-            with spool_fh, naming(spool_fh.name):
+            with naming(spool_fh.name), spool_fh:
                 spool = _Spool(spool_fh)
                 for name in names:
                     se, de = src.entries.get(name), dst.entries.get(name)
@@ -265,11 +265,7 @@ def build_patch(src_model_dir: str | os.PathLike, dst_model_dir: str | os.PathLi
                 fh.flush()
                 os.fsync(fh.fileno())
             os.replace(tmp, out)
-            fd = os.open(out.parent, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_dir(out.parent)
         except BaseException as exc:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
