@@ -192,6 +192,7 @@ def _in_namespace(disk: Path, size: str, argv: list[str]) -> list[str]:
     return ["unshare", "-Urm", "sh", "-c", f'mount -t tmpfs -o size={size} tmpfs "{disk}" && exec "$@"', "sh", *argv]
 
 
+@pytest.mark.slow
 @needs_tmpfs
 @pytest.mark.parametrize("verb", ["fold", "make-patch"])
 def test_a_full_disk_mid_write_is_one_line_and_leaves_the_state_as_it_was(models, tmp_path, verb):
@@ -213,6 +214,7 @@ def test_a_full_disk_mid_write_is_one_line_and_leaves_the_state_as_it_was(models
     no_temp_files(res["after"])
 
 
+@pytest.mark.slow
 @needs_tmpfs
 def test_the_daemon_on_a_full_disk_fails_the_fold_counts_it_and_goes_on(tmp_path):
     d = Daemon(tmp_path, {"state_dir": "disk/state"})
@@ -259,3 +261,27 @@ def test_the_daemon_on_a_full_disk_fails_the_fold_counts_it_and_goes_on(tmp_path
         d.stop()
     log = d.log.read_text()
     assert "Traceback" not in log, log[-3000:]
+
+
+@needs_tmpfs
+def test_the_ledger_on_a_full_disk_raises_an_os_error_naming_it(tmp_path):
+    """SQLite's "database or disk is full" is the OSError it stands for, named by the ledger file
+    (so the CLI and the daemon report it as every other OS error), and the ledger still reads."""
+    disk = tmp_path / "disk"
+    script = FILL + textwrap.dedent(f"""
+        import errno, json
+        from mergestream.daemon.ledger import Ledger
+        from mergestream.errors import error_line
+        led = Ledger({str(disk / "ledger.sqlite")!r})
+        fill({str(disk / ".filler")!r}, 0)
+        try:
+            led.set_meta("big", "x" * 1_000_000)
+        except OSError as exc:
+            print(json.dumps({{"errno": exc.errno, "line": error_line(exc), "meta": led.get_meta("big")}}))
+    """)
+    proc = subprocess.run(_in_namespace(disk, "256k", [sys.executable, "-c", script]), capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0 and proc.stdout, proc.stderr
+    res = json.loads(proc.stdout)
+    assert res["errno"] == 28 and res["meta"] is None
+    assert str(disk / "ledger.sqlite") in res["line"] and "No space left on device" in res["line"]

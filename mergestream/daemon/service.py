@@ -310,12 +310,17 @@ class Service:
             raise MergestreamError(f"version {version} does not exist (kept: {self.store.numbers()})")
         before = self.store.current()
         self.store.point_current(version)
-        keep = set(self.store.fold_json(version).get("experts", []))
-        for row in self.ledger.experts():
-            if row.expert_id in keep and row.status != "accepted":
-                self.ledger.set_status(row.expert_id, "accepted", None)
-            elif row.expert_id not in keep and row.status == "accepted":
-                self.ledger.set_status(row.expert_id, "unmerged", f"rolled back to version {version}")
+        try:
+            keep = set(self.store.fold_json(version).get("experts", []))
+            for row in self.ledger.experts():
+                if row.expert_id in keep and row.status != "accepted":
+                    self.ledger.set_status(row.expert_id, "accepted", None)
+                elif row.expert_id not in keep and row.status == "accepted":
+                    self.ledger.set_status(row.expert_id, "unmerged", f"rolled back to version {version}")
+        except OSError:  # the ledger's disk: current goes back, so that it and the statuses still agree
+            if before is not None:
+                self.store.point_current(before)
+            raise
         self.ledger.record_event("rollback", expert_id=None, policy=self.cfg.policy.name,
                                  params={"from": before, "to": version}, decision="accepted",
                                  reason=f"operator rollback {before} -> {version}", version=version)
