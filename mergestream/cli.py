@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from .errors import MergestreamError
+from .errors import MergestreamError, error_line
 from .patches.codec import FORMAT_NUMBERS
 
 if TYPE_CHECKING:  # the engine (torch) loads only when a verb runs
@@ -26,15 +26,21 @@ EXIT_BAD_INPUT = 2
 
 
 def _fail_cleanly(fn):
-    """Turn user-caused errors into one line on stderr and exit status 2."""
+    """Turn user-caused errors into one line on stderr and exit status 2: a
+    :class:`MergestreamError`, and every operating-system error (a missing or unwritable path, a
+    full disk, a read-only or lost mount), named by its path and the system's reason
+    (:func:`mergestream.errors.os_error_text`)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except (MergestreamError, FileNotFoundError, NotADirectoryError, PermissionError) as exc:
+        except MergestreamError as exc:
             msg = " ".join(str(exc).split())
             click.echo(f"error: {type(exc).__name__}: {msg}", err=True)
+            sys.exit(EXIT_BAD_INPUT)
+        except OSError as exc:
+            click.echo(f"error: {error_line(exc)}", err=True)
             sys.exit(EXIT_BAD_INPUT)
 
     return wrapper

@@ -6,6 +6,8 @@ it into a one-line message and a non-zero exit code, and the daemon records it a
 
 from __future__ import annotations
 
+import os
+
 from .redaction import redact_uris
 
 
@@ -107,3 +109,26 @@ class MalformedInputError(MergestreamError):
     """A document from outside (a webhook or bucket-notification payload, a config or state file
     read back) that is not UTF-8, not JSON, nested too deep, or of the wrong structure (see
     :func:`mergestream.io.st.load_json`)."""
+
+
+def os_error_text(exc: OSError) -> str:
+    """An operating-system error as one line naming the path(s) and the system's reason:
+    ``/state/versions: Read-only file system``, ``a -> b: No space left on device``. An error
+    without a path (a socket's, an OSError raised with its own text) is its own text."""
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    if exc.filename is None:
+        return " ".join(str(exc).split()) or reason
+
+    def name(f: object) -> str:
+        return os.fsdecode(f) if isinstance(f, (str, bytes, os.PathLike)) else str(f)
+
+    where = name(exc.filename) + (f" -> {name(exc.filename2)}" if exc.filename2 is not None else "")
+    return redact_uris(f"{where}: {reason}".replace("\r", "\\r").replace("\n", "\\n"))
+
+
+def error_line(exc: BaseException) -> str:
+    """The one line a command prints for ``exc`` (after ``error: ``): an operating-system error as
+    ``<Type>: <path>: <reason>`` (:func:`os_error_text`), any other error as its text on one line."""
+    if isinstance(exc, OSError):
+        return f"{type(exc).__name__}: {os_error_text(exc)}"
+    return " ".join(str(exc).split())

@@ -7,12 +7,14 @@ parameter names, and must always load with :func:`mergestream.config.load_config
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
 import yaml
 
 from .config import ConfigError, load_config
+from .io.st import naming
 from .policies import RECOMMENDED_PARAMS, RECOMMENDED_POLICY, make_policy, parameter_names, policy_names
 
 STARTER = """\
@@ -127,18 +129,32 @@ def write_starter(folder: str | os.PathLike, base: str, policy: str | None = Non
 
     Raises:
         ConfigError: the config file already exists.
+        OSError: the folder cannot be written (nothing is left behind).
     """
     d = Path(folder)
-    d.mkdir(parents=True, exist_ok=True)
     path = d / "config.yaml"
     if path.exists():
         raise ConfigError(f"{path} already exists")
-    (d / "inbox").mkdir(exist_ok=True)
     params = RECOMMENDED_PARAMS if policy in (None, RECOMMENDED_POLICY) else {}
     mode = "subtract" if make_policy(policy or RECOMMENDED_POLICY, params).subtract_unmerge else "replay"
-    path.write_text(STARTER.format(base=str(Path(base).resolve()), policy=policy or RECOMMENDED_POLICY,
-                                   params=yaml.safe_dump(params, default_flow_style=True).strip(),
-                                   unmerge_mode=mode, pad=" " * max(1, 16 - len(mode)),  # the comments line up
-                                   policies=_policy_lines()))
+    text = STARTER.format(base=str(Path(base).resolve()), policy=policy or RECOMMENDED_POLICY,
+                          params=yaml.safe_dump(params, default_flow_style=True).strip(),
+                          unmerge_mode=mode, pad=" " * max(1, 16 - len(mode)),  # the comments line up
+                          policies=_policy_lines())
+    made = [p for p in (d / "inbox", d, *d.parents) if not p.exists()]
+    tmp = d / f".config.yaml.tmp-{os.getpid()}"
+    try:  # complete or not at all: an OSError (a full disk) leaves neither the file nor the folders made
+        (d / "inbox").mkdir(parents=True, exist_ok=True)
+        with naming(tmp), open(tmp, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        for p in made:
+            with contextlib.suppress(OSError):
+                p.rmdir()
+        raise
     load_config(path)  # the starter must always validate
     return path

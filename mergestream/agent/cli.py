@@ -15,6 +15,7 @@ import time
 
 import click
 
+from ..errors import error_line
 from ..feed.layout import parse_duration
 from .errors import AgentError
 
@@ -72,8 +73,8 @@ def pull_cmd(feed, model_dir, root_file, every, check, status_file, as_json) -> 
             doc = pull(model_dir, feed, root_file=root_file, check=check, status_file=status_file)
             click.echo(json.dumps(doc, indent=2) if as_json else _line(doc))
         except (AgentError, OSError) as exc:
-            if not isinstance(exc, AgentError):  # disk full, permissions: one line, exit 1
-                exc = AgentError(f"{type(exc).__name__}: {exc}")
+            if not isinstance(exc, AgentError):  # disk full, permissions: one line (path, reason), exit 1
+                exc = AgentError(error_line(exc))
             if interval is None:
                 _fail(exc)
             click.echo(f"error: {' '.join(str(exc).split())}", err=True)
@@ -95,8 +96,8 @@ def rollback_cmd(model_dir, status_file) -> None:
 
     try:
         click.echo(_line(rollback(model_dir, status_file)))
-    except AgentError as exc:
-        _fail(exc)
+    except (AgentError, OSError) as exc:
+        _fail(exc if isinstance(exc, AgentError) else AgentError(error_line(exc)))
 
 
 @agent.command("status")
@@ -110,7 +111,10 @@ def status_cmd(model_dir, status_file) -> None:
     if not path.exists():
         click.echo(f"error: {path}: no status yet (no pull has run)", err=True)
         sys.exit(7)
-    click.echo(path.read_text().rstrip())
+    try:
+        click.echo(path.read_text().rstrip())
+    except OSError as exc:
+        _fail(AgentError(error_line(exc)))
 
 
 def main() -> None:

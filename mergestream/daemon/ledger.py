@@ -17,7 +17,9 @@ One connection guarded by a lock serves all threads of the daemon; other process
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -87,18 +89,52 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 
 
+#: SQLite's result codes for a storage failure, as the operating-system error they stand for
+_STORAGE_CODES = {13: errno.ENOSPC, 8: errno.EROFS, 10: errno.EIO, 14: errno.EACCES, 3: errno.EACCES}
+
+
+@contextmanager
+def storage_errors(path: Path) -> Iterator[None]:
+    """Raise SQLite's storage failures (a full disk, a read-only or lost file, an I/O error) as the
+    :class:`OSError` they stand for, named by the ledger's ``path``: the CLI and the daemon report
+    them as every other operating-system error (one line: path and cause). A read-only database on
+    a writable filesystem is ``EACCES``. Other SQLite errors pass unchanged."""
+    try:
+        yield
+    except sqlite3.OperationalError as exc:
+        code = _STORAGE_CODES.get((getattr(exc, "sqlite_errorcode", 0) or 0) & 0xFF)
+        if code is None:
+            raise
+        if code == errno.EROFS and not _on_read_only_fs(path):
+            code = errno.EACCES
+        raise OSError(code, f"{os.strerror(code)} (SQLite: {exc})", str(path)) from exc
+
+
+def _on_read_only_fs(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path.parent).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
 class Ledger:
-    """SQLite ledger at ``path`` (created with its schema if absent)."""
+    """SQLite ledger at ``path`` (created with its schema if absent).
+
+    Raises (every method):
+        OSError: the disk is full, the file or its folder is read-only or gone (see
+            :func:`storage_errors`).
+    """
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.RLock()
-        self._db = sqlite3.connect(str(self.path), check_same_thread=False, timeout=30, isolation_level=None)
-        self._db.row_factory = sqlite3.Row
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.executescript(SCHEMA)
+        with storage_errors(self.path):
+            self._db = sqlite3.connect(str(self.path), check_same_thread=False, timeout=30, isolation_level=None)
+            self._db.row_factory = sqlite3.Row
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.executescript(SCHEMA)
 
     def close(self) -> None:
         with self._lock:
@@ -106,17 +142,18 @@ class Ledger:
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
-        with self._lock:
+        with self._lock, storage_errors(self.path):
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 yield self._db
                 self._db.execute("COMMIT")
             except BaseException:
-                self._db.execute("ROLLBACK")
+                if self._db.in_transaction:  # SQLite may have rolled back already (a full disk)
+                    self._db.execute("ROLLBACK")
                 raise
 
     def _q(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
-        with self._lock:
+        with self._lock, storage_errors(self.path):
             return self._db.execute(sql, args).fetchall()
 
     # -- experts / queue ----------------------------------------------------------------------

@@ -84,6 +84,9 @@ class Metrics:
         self.feed_bytes_to_latest = Gauge("feed_bytes_to_latest", "Bytes a device at from_version downloads to "
                                           "reach the feed's latest (from_version=none: a fresh device)",
                                           ["from_version"], namespace=ns, registry=r)
+        self.storage_errors = Counter("storage_errors", "Operating-system errors the daemon reported and went on from "
+                                      "(full disk, read-only or lost mount, permission), by errno name (ENOSPC, EROFS...)",
+                                      ["errno"], namespace=ns, registry=r)
         self.up = Gauge("up", "1 while the daemon runs", namespace=ns, registry=r)
         self.heartbeat = Gauge("heartbeat_timestamp_seconds", "Last beat of the service loop", namespace=ns,
                                registry=r)

@@ -22,6 +22,7 @@ longer has (a task unmerged or rolled back) are removed, see :func:`show_probe_v
 
 from __future__ import annotations
 
+import errno
 import logging
 import shutil
 import threading
@@ -36,7 +37,7 @@ from .. import engine
 from ..config import Config
 from ..engine import ExecOptions
 from ..engine.executors import make_executor
-from ..errors import CheckpointError, MergestreamError, ValidationError
+from ..errors import CheckpointError, MergestreamError, ValidationError, os_error_text
 from ..io.state import StateDir
 from . import gate
 from .ledger import Ledger
@@ -115,9 +116,16 @@ class Pipeline:
         With ``policy.preprocess: [ri]`` the expert is first adapted (:mod:`.prestep`); a policy
         that searches its coefficients gets the data probes' objective. Both are recorded in the
         fold's timings (MLflow metrics) and in ``fold.json``.
+
+        An operating-system error (a full disk, a read-only or lost state folder) ends the attempt
+        as ``failed`` with one line naming the path and the cause (:meth:`storage_failure`); the
+        published versions and ``current`` stay as they were.
         """
-        att = Attempt("fold", row.expert_id, self.store.new_staging(), time.time(), row=row,
-                      params=dict(self.cfg.policy.params),
+        try:
+            staging = self.store.new_staging()
+        except OSError as exc:
+            return self.storage_failure(row.expert_id, None, exc)
+        att = Attempt("fold", row.expert_id, staging, time.time(), row=row, params=dict(self.cfg.policy.params),
                       candidate_expert=Path(row.uri) if Path(row.uri).is_dir() else None)
         try:
             outcome = self._build_fold(att) or self.probe_and_gate(att)
@@ -127,8 +135,40 @@ class Pipeline:
             self.ledger.requeue_interrupted()
             log.warning("fold of %s abandoned: stop requested; it stays queued for the next start", row.expert_id)
             return "pending"
-        self.conclude(att, outcome)
+        except OSError as exc:  # the probes' or the gate's disk
+            return self.storage_failure(row.expert_id, att, exc)
+        before = self.store.current()
+        try:
+            self.conclude(att, outcome)
+        except OSError as exc:
+            if outcome.decision == "accepted" and self.store.current() != before:  # published; a later step failed
+                self.metrics.storage_errors.labels(errno=errno.errorcode.get(exc.errno or 0, "other")).inc()
+                log.error("after publishing expert=%s: %s: %s", row.expert_id, type(exc).__name__, os_error_text(exc))
+                return outcome.decision
+            return self.storage_failure(row.expert_id, att, exc)
         return outcome.decision
+
+    def storage_failure(self, expert_id: str, att: Attempt | None, exc: OSError) -> str:
+        """End a fold that an operating-system error stopped: the staging folder removed, one error
+        line naming the path and the cause, ``mergestream_storage_errors_total{errno}`` and
+        ``mergestream_folds_total{outcome="failed"}`` counted, the expert marked ``failed`` with
+        that reason (``mergestream retry`` queues it again once the cause is fixed), the attempt in
+        the history when the ledger can still be written. Returns ``"failed"``."""
+        reason = f"{type(exc).__name__}: {os_error_text(exc)}"
+        if att is not None:
+            shutil.rmtree(att.staging, ignore_errors=True)
+        self.metrics.storage_errors.labels(errno=errno.errorcode.get(exc.errno or 0, "other")).inc()
+        self.metrics.folds.labels(policy=self.cfg.policy.name, outcome="failed").inc()
+        log.error("fold failed expert=%s reason=%s (current is unchanged; `mergestream retry %s` once fixed)",
+                  expert_id, reason, expert_id)
+        try:
+            if att is not None:
+                self.ledger.record_fold(att, Outcome("failed", reason), policy=self.cfg.policy.name,
+                                        seconds=time.time() - att.started)
+            self.ledger.set_status(expert_id, "failed", reason)
+        except Exception as again:  # the ledger's disk too: it stays folding, requeued on the next start
+            log.error("cannot record the failure of expert=%s in the ledger: %s", expert_id, again)
+        return "failed"
 
     def _build_fold(self, att: Attempt) -> Outcome | None:
         """Fold the expert into ``att.staging``; an :class:`Outcome` when that already ends the
@@ -168,9 +208,13 @@ class Pipeline:
         except PreStepRejected as exc:
             return Outcome("rejected", str(exc), "preprocess")
         except (ValidationError, CheckpointError, FileNotFoundError) as exc:
-            return Outcome("rejected", self._as_arrived(row, f"{type(exc).__name__}: {exc}"), "validation")
+            text = os_error_text(exc) if isinstance(exc, OSError) else str(exc)
+            return Outcome("rejected", self._as_arrived(row, f"{type(exc).__name__}: {text}"), "validation")
         except MergestreamError as exc:
             return Outcome("failed", self._as_arrived(row, f"{type(exc).__name__}: {exc}"))
+        except OSError as exc:  # the disk, not the expert: one line, counted, the daemon goes on
+            self.metrics.storage_errors.labels(errno=errno.errorcode.get(exc.errno or 0, "other")).inc()
+            return Outcome("failed", self._as_arrived(row, f"{type(exc).__name__}: {os_error_text(exc)}"))
         except Exception as exc:  # a bug or an environment problem: record it, keep serving
             log.exception("fold of %s failed", row.expert_id)
             return Outcome("failed", self._as_arrived(row, f"{type(exc).__name__}: {exc}"))
@@ -199,19 +243,20 @@ class Pipeline:
 
         Raises:
             MergestreamError: the engine could not unmerge (nothing was published or recorded).
+            OSError: a full disk, a read-only or lost state folder (nothing was published).
         """
         cur = self.store.current_path()
         mode = self.cfg.policy.unmerge_mode
         att = Attempt("unmerge", expert_id, self.store.new_staging(), time.time(), params={"mode": mode})
-        self.store.carry_state(att.staging / "state")
-        try:
+        try:  # an OSError (a full disk) leaves no staging folder and current as it was
+            self.store.carry_state(att.staging / "state")
             engine.unmerge(att.staging / "state", expert_id, mode, out=att.staging / "model",
                            backbone=cur / "model", base=self.cfg.base, options=self.options())
-        except MergestreamError:
+            outcome = self.probe_and_gate(att)
+            self.conclude(att, outcome)
+        except (MergestreamError, OSError):
             shutil.rmtree(att.staging, ignore_errors=True)
             raise
-        outcome = self.probe_and_gate(att)
-        self.conclude(att, outcome)
         return outcome.decision
 
     # -- probe and gate ---------------------------------------------------------------------------------
@@ -258,13 +303,14 @@ class Pipeline:
         pol = self.cfg.policy.name
         prev = self.store.current()
         patch_path = self._write_patch(prev, att.staging) if prev is not None and self.cfg.write_patches else None
-        fold_row = self.ledger.record_fold(att, outcome, policy=pol, seconds=seconds)
         state = att.staging / "state"
         experts_in = StateDir(state).manifest.ids() if (state / "manifest.json").exists() else []
         fold_doc = {"kind": att.kind, "expert": att.expert_id, "policy": pol, "params": att.params,
                     "probes": outcome.probes, "timings": att.timings, "decision": "accepted", "experts": experts_in,
                     "previous": prev, "time": time.time(), **att.extra}
         version = self.store.publish(att.staging, fold_doc)
+        # recorded once published: a publish that failed (a full disk) is recorded as failed instead
+        fold_row = self.ledger.record_fold(att, outcome, policy=pol, seconds=seconds)
         self.ledger.add_version(version, str(self.store.path(version)), experts_in, fold_row)
         if att.kind == "fold":
             self.ledger.set_status(att.expert_id, "accepted", None, version)

@@ -12,6 +12,7 @@ folded exactly once.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -20,7 +21,7 @@ import threading
 import time
 
 from ..config import Config, ConfigError
-from ..errors import CheckpointError, MergestreamError
+from ..errors import CheckpointError, MergestreamError, os_error_text
 from ..io.checkpoints import open_checkpoint
 from ..io.expert_readers import content_sha256
 from ..io.input_formats import check_not_quantized
@@ -35,6 +36,9 @@ from .store import Store
 from .tracking import Tracker
 
 log = logging.getLogger("mergestream.service")
+
+#: seconds the loop waits after an operating-system error outside a fold (a full or lost disk)
+STORAGE_RETRY_SECONDS = 10.0
 
 
 class Service:
@@ -201,7 +205,13 @@ class Service:
         self.start()
         try:
             while not self.stopping.is_set():
-                if not self.step():
+                try:
+                    worked = self.step()
+                except OSError as exc:  # e.g. the ledger's disk: reported, counted, tried again later
+                    self._storage_error("service loop", exc)
+                    self.wake.wait(timeout=STORAGE_RETRY_SECONDS)
+                    continue
+                if not worked:
                     self.wake.wait(timeout=1.0)
                     self.wake.clear()
         finally:
@@ -240,6 +250,15 @@ class Service:
             return json.dumps({"ok": True, "message": msg})
         except MergestreamError as exc:
             return json.dumps({"ok": False, "message": str(exc)})
+        except OSError as exc:  # a full disk, a read-only state folder: the command fails, the daemon goes on
+            self._storage_error(f"{verb} command", exc)
+            return json.dumps({"ok": False, "message": f"{type(exc).__name__}: {os_error_text(exc)}"})
+
+    def _storage_error(self, what: str, exc: OSError) -> None:
+        """Report an operating-system error the daemon goes on from: one error line naming the path
+        and the cause, counted in ``mergestream_storage_errors_total{errno}``."""
+        self.metrics.storage_errors.labels(errno=errno.errorcode.get(exc.errno or 0, "other")).inc()
+        log.error("%s failed: %s: %s", what, type(exc).__name__, os_error_text(exc))
 
     # -- sources -> ledger ----------------------------------------------------------------------------
     def on_expert_ready(self, ev: ExpertReady) -> None:
@@ -291,12 +310,17 @@ class Service:
             raise MergestreamError(f"version {version} does not exist (kept: {self.store.numbers()})")
         before = self.store.current()
         self.store.point_current(version)
-        keep = set(self.store.fold_json(version).get("experts", []))
-        for row in self.ledger.experts():
-            if row.expert_id in keep and row.status != "accepted":
-                self.ledger.set_status(row.expert_id, "accepted", None)
-            elif row.expert_id not in keep and row.status == "accepted":
-                self.ledger.set_status(row.expert_id, "unmerged", f"rolled back to version {version}")
+        try:
+            keep = set(self.store.fold_json(version).get("experts", []))
+            for row in self.ledger.experts():
+                if row.expert_id in keep and row.status != "accepted":
+                    self.ledger.set_status(row.expert_id, "accepted", None)
+                elif row.expert_id not in keep and row.status == "accepted":
+                    self.ledger.set_status(row.expert_id, "unmerged", f"rolled back to version {version}")
+        except OSError:  # the ledger's disk: current goes back, so that it and the statuses still agree
+            if before is not None:
+                self.store.point_current(before)
+            raise
         self.ledger.record_event("rollback", expert_id=None, policy=self.cfg.policy.name,
                                  params={"from": before, "to": version}, decision="accepted",
                                  reason=f"operator rollback {before} -> {version}", version=version)

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 from filelock import FileLock, Timeout
 
 from ..errors import MergestreamError, StateError
-from ..io.st import fsync_dir, link_or_copy
+from ..io.st import fsync_dir, link_or_copy, naming
 from ..io.state import StateDir
 from ..io.versions import Versions
 
@@ -139,20 +139,31 @@ class Store(Versions):
 
         Returns:
             The new version number.
+
+        Raises:
+            OSError: the disk is full, the state folder read-only or gone: nothing is published
+                (the candidate is back in ``staging``, or gone with it), ``current`` is unchanged.
         """
         number = self.next_number()
         fold = dict(fold, version=number)
         # the published state names its own version's model, not the staging folder it was built in
         StateDir(staging / "state").set_backbone(self.path(number) / "model")
-        with open(staging / "fold.json", "w") as fh:
+        with naming(staging / "fold.json"), open(staging / "fold.json", "w") as fh:
             json.dump(fold, fh, indent=2, default=str)
             fh.flush()
             os.fsync(fh.fileno())
         fsync_dir(staging)
         self.versions_dir.mkdir(parents=True, exist_ok=True)
         os.rename(staging, self.path(number))
-        fsync_dir(self.versions_dir)
-        self.point_current(number)
+        try:
+            fsync_dir(self.versions_dir)
+            self.point_current(number)
+        except OSError:  # not published after all: no version that was never current is left
+            try:
+                os.rename(self.path(number), staging)
+            except OSError:
+                shutil.rmtree(self.path(number), ignore_errors=True)
+            raise
         return number
 
     def point_current(self, number: int) -> None:
@@ -161,7 +172,11 @@ class Store(Versions):
             raise MergestreamError(f"version {number} does not exist in {self.versions_dir}")
         tmp = self.root / f".current-{uuid.uuid4().hex[:8]}"
         os.symlink(os.path.join("versions", f"{number:06d}"), tmp)
-        os.replace(tmp, self.current_link)
+        try:
+            os.replace(tmp, self.current_link)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         fsync_dir(self.root)
         for publisher in self.publishers:  # after the local commit: a publisher never touches the store
             publisher.point(number, self.path(number))

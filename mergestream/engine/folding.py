@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -252,7 +253,12 @@ def _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, 
                        backbone=str(Path(out).resolve()), state_file=final_name(state_path, sd.path),
                        folds=folds + [fold_rec])
     sd.close()
-    sd.commit(new_man, new_files)
+    try:
+        sd.commit(new_man, new_files)
+    except BaseException:  # the model and the state go together: neither is left
+        if not opts.overwrite:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     bytes_read = (loader.reader.bytes_read if loader.dense else 0) + stats.bytes_read
     report = FoldReport(out=str(out), policy=pol.name, params=record, experts=[eid],
                         seconds=time.perf_counter() - t0, bytes_read=bytes_read,

@@ -100,10 +100,16 @@ def unmerge(state_dir: str | os.PathLike, expert_id: str, mode: str, *, out: str
     k = man.index_of(expert_id)
     base = base or man.base
     opts = options or DEFAULT_OPTIONS
-    if mode == "replay" or len(man.folds) == 1:  # removing the only fold: θ₀ itself, exactly
-        report = replay(sd, k, out=out, base=base, options=opts)
-    else:
-        report = subtract(sd, k, out=out, base=base, backbone=backbone or man.backbone, options=opts)
+    existed = os.path.lexists(out)
+    try:
+        if mode == "replay" or len(man.folds) == 1:  # removing the only fold: θ₀ itself, exactly
+            report = replay(sd, k, out=out, base=base, options=opts)
+        else:
+            report = subtract(sd, k, out=out, base=base, backbone=backbone or man.backbone, options=opts)
+    except BaseException:  # e.g. the state's commit failed (a full disk): no model without its state
+        if not existed:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     report.seconds = time.perf_counter() - t0
     return report
 

@@ -48,7 +48,7 @@ from tuf.api.metadata import (
 from tuf.api.serialization.json import JSONSerializer
 
 from ..errors import MergestreamError
-from ..io.st import aux_files, fsync_dir, link_or_copy, read_header
+from ..io.st import aux_files, fsync_dir, link_or_copy, naming, read_header
 from ..io.versions import Versions
 from ..patches import PatchFormat, Weights
 from . import keys as feed_keys
@@ -74,11 +74,19 @@ def _load(path: Path) -> Metadata | None:
 
 
 def _write(md: Metadata, path: Path) -> None:
+    """Write ``md`` to ``path`` atomically (temp file, fsync, rename); an OSError (a full disk)
+    names the file and leaves no temp file (``Metadata.to_file`` would hide the cause)."""
     tmp = path.with_name(f".{path.name}.tmp")
-    md.to_file(str(tmp), JSONSerializer(compact=False))
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    data = md.to_bytes(JSONSerializer(compact=False))
+    try:
+        with naming(tmp), open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _place(src: Path, tf: TargetFile, targets_dir: Path) -> None:
@@ -165,8 +173,11 @@ def build_feed(state_dir: str | os.PathLike, out: str | os.PathLike, keys_dir: s
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out / ".lock")):
-        return _build(Versions(state_dir), out, Path(keys_dir), latest, keep, {**DEFAULT_EXPIRES, **(expires or {})},
-                      patch_format, zstd_level)
+        try:
+            return _build(Versions(state_dir), out, Path(keys_dir), latest, keep,
+                          {**DEFAULT_EXPIRES, **(expires or {})}, patch_format, zstd_level)
+        finally:  # a failed build (a full disk) leaves no scratch files; devices still see the last release
+            shutil.rmtree(out / ".work", ignore_errors=True)
 
 
 def _build(store: Versions, out: Path, keys_dir: Path, latest: int | None, keep: int | None,

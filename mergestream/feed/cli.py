@@ -12,13 +12,14 @@ from datetime import timedelta
 
 import click
 
-from ..errors import MergestreamError
+from ..errors import MergestreamError, error_line
 from ..patches.codec import FORMAT_NUMBERS
 from .layout import parse_duration
 
 
 def _fail(exc: Exception) -> None:
-    click.echo(f"error: {' '.join(str(exc).split())}", err=True)
+    """One line on stderr (an OSError: its path and reason), exit status 2."""
+    click.echo(f"error: {error_line(exc) if isinstance(exc, OSError) else ' '.join(str(exc).split())}", err=True)
     sys.exit(2)
 
 
@@ -50,7 +51,7 @@ def keygen_cmd(keys_dir: str) -> None:
 
     try:
         ids = generate(keys_dir)
-    except MergestreamError as exc:
+    except (MergestreamError, OSError) as exc:
         _fail(exc)
     for role, keyid in ids.items():
         click.echo(f"{role}: keyid {keyid}")
@@ -113,6 +114,6 @@ def rotate_cmd(keys_dir: str, role: str) -> None:
 
     try:
         old, new = rotate_key(keys_dir, role)
-    except MergestreamError as exc:
+    except (MergestreamError, OSError) as exc:
         _fail(exc)
     click.echo(f"{role}: keyid {old[:12]} -> {new[:12]}; run `mergestream feed build` to publish the new root")

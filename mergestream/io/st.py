@@ -23,6 +23,7 @@ Weights hash (:class:`WeightsHash`)
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import json
@@ -346,6 +347,19 @@ class WeightsHash:
         return self._h.hexdigest()
 
 
+@contextlib.contextmanager
+def naming(path: str | os.PathLike):
+    """Give an ``OSError`` raised inside without a path (calls on a descriptor or an open file:
+    ``pwrite``, ``ftruncate``, ``fsync``, ``write``) the ``path`` it concerns, so that a full disk
+    or a lost mount is reported with the file it hit."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is None and exc.errno is not None:
+            exc.filename = os.fspath(path)
+        raise
+
+
 def pwrite_all(fd: int, data, offset: int) -> None:
     """Write all of ``data`` (a buffer) at ``offset`` of ``fd`` (positional; thread-safe)."""
     data = memoryview(data).cast("B")
@@ -400,7 +414,8 @@ def fsync_dir(path: str | os.PathLike) -> None:
     """fsync a directory so that renames inside it are durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
+        with naming(path):
+            os.fsync(fd)
     finally:
         os.close(fd)
 

@@ -27,7 +27,7 @@ import torch
 
 from ..errors import StateError
 from .checkpoints import Checkpoint, open_checkpoint
-from .st import fsync_dir, load_json
+from .st import fsync_dir, load_json, naming
 
 MANIFEST = "manifest.json"
 SEP = "::"
@@ -137,17 +137,27 @@ class StateDir:
         """Rename ``*.tmp`` files into place, replace the manifest atomically, collect garbage.
 
         ``manifest`` must reference the new files by their final names (without ``.tmp``).
+
+        Raises:
+            OSError: a full disk, a read-only or lost folder before the manifest was replaced: the
+                state is as it was (``new_files`` are removed, under either name).
         """
-        self.path.mkdir(parents=True, exist_ok=True)
-        for f in new_files:
-            os.replace(f, f.with_suffix(""))
         tmp = self.path / f".{MANIFEST}.{uuid.uuid4().hex[:8]}"
-        data = asdict(manifest)
-        with open(tmp, "w") as fh:
-            json.dump(data, fh, indent=2)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, self.path / MANIFEST)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            for f in new_files:
+                os.replace(f, f.with_suffix(""))
+            with naming(tmp), open(tmp, "w") as fh:
+                json.dump(asdict(manifest), fh, indent=2)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, self.path / MANIFEST)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            for f in new_files:
+                f.unlink(missing_ok=True)
+                f.with_suffix("").unlink(missing_ok=True)
+            raise
         fsync_dir(self.path)
         self.close()
         self.manifest = manifest

@@ -96,33 +96,40 @@ class ModelWriter:
         self.files: list[Path] = []
         self._where: dict[str, tuple[int, int, TensorMeta]] = {}
         self._fds: list[int] = []
-        for i, group in enumerate(shards):
-            fname = f"{prefix}.safetensors" if n == 1 else f"{prefix}-{i + 1:05d}-of-{n:05d}.safetensors"
-            entries, off = [], 0
-            for m in group:
-                entries.append((m.name, m.shape, m.dtype, off, off + m.nbytes))
-                off += m.nbytes
-            head = _header(entries, metadata)
-            path = self.folder / fname
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            st.pwrite_all(fd, head, 0)
-            os.ftruncate(fd, len(head) + off)
-            for m, (_, _, _, start, _) in zip(group, entries):
-                self._where[m.name] = (len(self._fds), len(head) + start, m)
-            self._fds.append(fd)
-            self._heads.append(len(head))
-            self.files.append(path)
-        self._remaining = {name: w[2].nbytes for name, w in self._where.items()}
-        self._lock = threading.Lock()
-        self.bytes_written = 0
-        self._write_index(metadata)
+        try:
+            for i, group in enumerate(shards):
+                fname = f"{prefix}.safetensors" if n == 1 else f"{prefix}-{i + 1:05d}-of-{n:05d}.safetensors"
+                entries, off = [], 0
+                for m in group:
+                    entries.append((m.name, m.shape, m.dtype, off, off + m.nbytes))
+                    off += m.nbytes
+                head = _header(entries, metadata)
+                path = self.folder / fname
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                self._fds.append(fd)  # closed by abort() if what follows fails
+                with st.naming(path):
+                    st.pwrite_all(fd, head, 0)
+                    os.ftruncate(fd, len(head) + off)
+                for m, (_, _, _, start, _) in zip(group, entries):
+                    self._where[m.name] = (len(self._fds) - 1, len(head) + start, m)
+                self._heads.append(len(head))
+                self.files.append(path)
+            self._remaining = {name: w[2].nbytes for name, w in self._where.items()}
+            self._lock = threading.Lock()
+            self.bytes_written = 0
+            self._write_index(metadata)
+        except BaseException:
+            self.abort()  # the shards opened so far
+            raise
 
     def _write_index(self, metadata: dict[str, str] | None) -> None:
         if len(self._shards) > 1:
             weight_map = {m.name: self.files[i].name for i, g in enumerate(self._shards) for m in g}
             total = sum(m.nbytes for g in self._shards for m in g)
             index = {"metadata": {"total_size": total, **(metadata or {})}, "weight_map": weight_map}
-            (self.folder / f"{self._prefix}.safetensors.index.json").write_text(json.dumps(index, indent=2))
+            path = self.folder / f"{self._prefix}.safetensors.index.json"
+            with st.naming(path):
+                path.write_text(json.dumps(index, indent=2))
 
     def set_metadata(self, metadata: dict[str, str]) -> None:
         """Replace the string metadata of every shard (and the index) before :meth:`close`.
@@ -141,7 +148,8 @@ class ModelWriter:
             head = _header(entries, metadata, pad_to=self._heads[i])
             if len(head) != self._heads[i]:
                 raise ValueError(f"{self.files[i].name}: new metadata does not fit the planned header")
-            st.pwrite_all(self._fds[i], head, 0)
+            with st.naming(self.files[i]):
+                st.pwrite_all(self._fds[i], head, 0)
         self._write_index(metadata)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
@@ -157,19 +165,20 @@ class ModelWriter:
         data = memoryview(data).cast("B")
         if start < 0 or start + len(data) > meta.nbytes:
             raise ValueError(f"{name}: bytes [{start}, {start + len(data)}) outside the planned {meta.nbytes}")
-        st.pwrite_all(self._fds[shard], data, offset + start)
-        if len(data) >= WRITEBACK_MIN_BYTES:
-            st.start_writeback(self._fds[shard], offset + start, len(data))
+        with st.naming(self.files[shard]):
+            st.pwrite_all(self._fds[shard], data, offset + start)
+            if len(data) >= WRITEBACK_MIN_BYTES:
+                st.start_writeback(self._fds[shard], offset + start, len(data))
         with self._lock:  # called from worker threads
             self.bytes_written += len(data)
             self._remaining[name] -= len(data)
 
     def close(self) -> None:
         """fsync and close every shard; raises RuntimeError if a planned tensor is missing."""
-        for fd in self._fds:
-            os.fsync(fd)
-            os.close(fd)
-        self._fds = []
+        while self._fds:  # one by one: abort() then closes only what is still open
+            with st.naming(self.files[len(self._fds) - 1]):
+                os.fsync(self._fds[-1])
+            os.close(self._fds.pop())
         missing = sorted(n for n, left in self._remaining.items() if left > 0)
         if missing:
             raise RuntimeError(f"tensors planned but never written: {missing[:5]}")
@@ -221,9 +230,10 @@ class AppendWriter:
     def write_range(self, data_start: int, data) -> None:
         """Write raw bytes at ``data_start`` of the data region (inside a reserved tensor)."""
         data = memoryview(data).cast("B")
-        st.pwrite_all(self._fd, data, self._room + data_start)
-        if len(data) >= WRITEBACK_MIN_BYTES:
-            st.start_writeback(self._fd, self._room + data_start, len(data))
+        with st.naming(self.path):
+            st.pwrite_all(self._fd, data, self._room + data_start)
+            if len(data) >= WRITEBACK_MIN_BYTES:
+                st.start_writeback(self._fd, self._room + data_start, len(data))
         with self._lock:
             self.bytes_written += len(data)
 
@@ -234,6 +244,10 @@ class AppendWriter:
 
     def close(self) -> None:
         """Write the header, fsync and close."""
+        with st.naming(self.path):
+            self._close()
+
+    def _close(self) -> None:
         head = _header(sorted(self._entries, key=lambda e: e[3]), self._metadata)
         if len(head) <= self._room:
             st.pwrite_all(self._fd, _header(sorted(self._entries, key=lambda e: e[3]), self._metadata,
@@ -279,8 +293,13 @@ def staged_output(out: str | os.PathLike, *, overwrite: bool = False) -> Iterato
     out = Path(out)
     if out.exists() and not overwrite:
         raise OutputExistsError(f"{out} already exists; choose a new output path")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=out.parent))
+    made = [p for p in (out.parent, *out.parent.parents) if not p.exists()]  # removed again on error
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.staging-", dir=out.parent))
+    except BaseException:
+        _remove_empty(made)
+        raise
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(stage, 0o777 & ~umask)  # mkdtemp makes 0700; outputs get the usual folder mode
@@ -297,7 +316,15 @@ def staged_output(out: str | os.PathLike, *, overwrite: bool = False) -> Iterato
         st.fsync_dir(out.parent)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
+        _remove_empty(made)
         raise
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove the folders an output created for itself (deepest first), where still empty."""
+    for p in folders:
+        with contextlib.suppress(OSError):
+            p.rmdir()
 
 
 def copy_aux_files(src: Checkpoint, dest: Path) -> list[str]:

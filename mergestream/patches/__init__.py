@@ -67,6 +67,7 @@ from ..io.st import (
     copy_aux_files,
     fsync_dir,
     load_json,
+    naming,
     parse_header_text,
     parse_index,
     pwrite_all,
@@ -528,8 +529,9 @@ def apply_patch(model_dir: str | os.PathLike, patch_path: str | os.PathLike,
                 fd = os.open(stage / tf.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
                 fds[tf.name] = fd
                 raw = tf.header.text.encode("utf-8")
-                pwrite_all(fd, memoryview(u64le(len(raw)) + raw), 0)
-                os.ftruncate(fd, tf.header.data_start + tf.header.data_len)
+                with naming(stage / tf.name):
+                    pwrite_all(fd, memoryview(u64le(len(raw)) + raw), 0)
+                    os.ftruncate(fd, tf.header.data_start + tf.header.data_len)
             h = hashlib.sha256(WEIGHTS_HASH_TAG + u64le(len(patch.target)))
             counts = {"copied": 0, "sparse": 0, "dense": 0}
             written = 0
@@ -549,11 +551,13 @@ def apply_patch(model_dir: str | os.PathLike, patch_path: str | os.PathLike,
                 h.update(t.frame())
                 data = memoryview(buf)
                 h.update(data)
-                pwrite_all(fds[t.file.name], data, t.offset)
+                with naming(stage / t.file.name):
+                    pwrite_all(fds[t.file.name], data, t.offset)
                 written += t.nbytes
                 del buf, data
             for name, fd in list(fds.items()):
-                os.fsync(fd)
+                with naming(stage / name):
+                    os.fsync(fd)
                 os.close(fd)
                 del fds[name]
             got = h.hexdigest()

@@ -29,7 +29,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from ..errors import MergestreamError, OutputExistsError
-from ..io.st import WEIGHTS_HASH_TAG, TensorEntry, encode_header, u64le
+from ..io.st import WEIGHTS_HASH_TAG, TensorEntry, encode_header, fsync_dir, naming, u64le
 from . import (
     DENSE,
     SPARSE_INDICES,
@@ -207,7 +207,7 @@ def build_patch(src_model_dir: str | os.PathLike, dst_model_dir: str | os.PathLi
         spool_fh = tempfile.NamedTemporaryFile(prefix=f".{out.name}.spool-", dir=out.parent, delete=False)
         tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:12]}")
         try:
-            with spool_fh:
+            with naming(spool_fh.name), spool_fh:
                 spool = _Spool(spool_fh)
                 for name in names:
                     se, de = src.entries.get(name), dst.entries.get(name)
@@ -259,17 +259,13 @@ def build_patch(src_model_dir: str | os.PathLike, dst_model_dir: str | os.PathLi
             header = {"__metadata__": meta, **spool.entries}
             spool.hash.update(canonical_header(header))
             meta["payload_sha256"] = spool.hash.hexdigest()
-            with open(tmp, "wb") as fh, open(spool_fh.name, "rb") as data:
+            with naming(tmp), open(tmp, "wb") as fh, open(spool_fh.name, "rb") as data:
                 fh.write(encode_header(header))
                 shutil.copyfileobj(data, fh, 16 * 1024 * 1024)
                 fh.flush()
                 os.fsync(fh.fileno())
             os.replace(tmp, out)
-            fd = os.open(out.parent, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_dir(out.parent)
         except BaseException as exc:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()

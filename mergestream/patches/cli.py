@@ -24,8 +24,10 @@ EXIT_BAD_INPUT = 2
 
 
 def _fail(exc: Exception) -> NoReturn:
-    msg = " ".join(str(exc).split())
-    click.echo(f"error: {msg}", err=True)
+    """One line on stderr (an OSError: its path and reason), exit status 2."""
+    from ..errors import error_line
+
+    click.echo(f"error: {error_line(exc) if isinstance(exc, OSError) else ' '.join(str(exc).split())}", err=True)
     sys.exit(EXIT_BAD_INPUT)
 
 
