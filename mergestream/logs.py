@@ -6,7 +6,7 @@ import json
 import logging
 import time
 
-from .redaction import RedactingFilter
+from .redaction import RedactingFilter, install_record_redaction
 
 
 class JsonFormatter(logging.Formatter):
@@ -22,14 +22,16 @@ class JsonFormatter(logging.Formatter):
 
 def setup_logging(fmt: str = "text", level: int = logging.INFO) -> None:
     """Configure the root logger once (json or text) on stderr, with a
-    :class:`~mergestream.redaction.RedactingFilter` on its handler: no record (of mergestream or
-    of a library such as MLflow or botocore) prints the userinfo or a credential parameter of a URI."""
+    :class:`~mergestream.redaction.RedactingFilter` on its handler, and every record redacted where
+    it is made (:func:`~mergestream.redaction.install_record_redaction`): no record (of mergestream or
+    of a library such as MLflow or botocore, whatever handler prints it) prints the userinfo or a credential parameter of a URI."""
     handler = logging.StreamHandler()
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
     handler.addFilter(RedactingFilter())
+    install_record_redaction()  # also the records of libraries with handlers of their own (mlflow)
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)

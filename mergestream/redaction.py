@@ -12,8 +12,9 @@ lines, exception texts, ``mergestream status``, MLflow params and tags, metric l
   ``client_secret``... (see :func:`is_credential_name`); other parameters are kept.
 
 Everything else is left as written, so a redacted line still says which host and path it means.
-The logging setup (:func:`mergestream.logs.setup_logging`) installs :class:`RedactingFilter` as a
-safety net, and :class:`mergestream.errors.MergestreamError` redacts its own message.
+The logging setup (:func:`mergestream.logs.setup_logging`) redacts every record where it is made
+(:func:`install_record_redaction`, which also covers libraries' own handlers) and keeps
+:class:`RedactingFilter` on its handler, and :class:`mergestream.errors.MergestreamError` redacts its own message.
 """
 
 from __future__ import annotations
@@ -62,23 +63,45 @@ def redact_uris(text: str) -> str:
     return text
 
 
+def redact_record(record: logging.LogRecord) -> logging.LogRecord:
+    """``record`` with :func:`redact_uris` run over its formatted message (the arguments merged
+    in, then dropped), its exception text and its stack; returned for chaining. Never raises."""
+    try:
+        msg = record.getMessage()
+    except Exception:  # a format string that does not fit its arguments: both shown, redacted
+        msg = f"{record.msg} (arguments: {record.args!r})"
+    clean = redact_uris(msg)
+    if clean != msg or record.args:
+        record.msg, record.args = clean, ()
+    if record.exc_info and not record.exc_text:
+        record.exc_text = logging.Formatter().formatException(record.exc_info)
+    if record.exc_text:
+        record.exc_text = redact_uris(record.exc_text)
+    if record.stack_info:
+        record.stack_info = redact_uris(record.stack_info)
+    return record
+
+
 class RedactingFilter(logging.Filter):
-    """A handler filter that runs :func:`redact_uris` over every record: its formatted message
-    (the arguments merged in, then dropped) and the text of its exception and stack, so no handler
-    formats a secret. Never drops a record."""
+    """A handler filter that runs :func:`redact_record` over every record, so no handler it sits
+    on formats a secret. Never drops a record."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        try:
-            msg = record.getMessage()
-        except Exception:  # a format string that does not fit its arguments: both shown, redacted
-            msg = f"{record.msg} (arguments: {record.args!r})"
-        clean = redact_uris(msg)
-        if clean != msg or record.args:
-            record.msg, record.args = clean, ()
-        if record.exc_info and not record.exc_text:
-            record.exc_text = logging.Formatter().formatException(record.exc_info)
-        if record.exc_text:
-            record.exc_text = redact_uris(record.exc_text)
-        if record.stack_info:
-            record.stack_info = redact_uris(record.stack_info)
+        redact_record(record)
         return True
+
+
+def install_record_redaction() -> None:
+    """Redact every log record where it is made (:func:`logging.setLogRecordFactory` wrapping the
+    current factory, once per process): also the records of a library whose logger has a handler
+    of its own and does not propagate (MLflow configures ``mlflow`` that way), which a filter on
+    the root handler never sees. Idempotent."""
+    make = logging.getLogRecordFactory()
+    if getattr(make, "_mergestream_redacts", False):
+        return
+
+    def factory(*args, **kwargs) -> logging.LogRecord:
+        return redact_record(make(*args, **kwargs))
+
+    factory._mergestream_redacts = True  # type: ignore[attr-defined]
+    logging.setLogRecordFactory(factory)

@@ -136,15 +136,18 @@ def test_a_real_botocore_error_from_an_endpoint_with_userinfo_is_redacted(monkey
 @pytest.fixture
 def root_logging():
     root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
+    handlers, level, factory = root.handlers[:], root.level, logging.getLogRecordFactory()
     yield
     root.handlers[:] = handlers
     root.setLevel(level)
+    logging.setLogRecordFactory(factory)
 
 
 @pytest.mark.parametrize("fmt", ["json", "text"])
 def test_setup_logging_redacts_every_record(fmt, root_logging, capfd):
     uri = f"http://alice:{TOKEN}@127.0.0.1:1/api?token={TOKEN}"
+    import mlflow  # noqa: F401  (as in the daemon: mlflow gives its logger a handler of its own, not propagating)
+
     setup_logging(fmt)
     logging.getLogger("mergestream.daemon.tracking").warning("tracking failed: %s", RuntimeError(uri))
     logging.getLogger("mlflow.utils.rest_utils").warning(f"API request to {uri} failed")  # a library's own line
@@ -286,3 +289,29 @@ def test_runs_logged_through_a_tracking_uri_with_userinfo_carry_no_secret(tmp_pa
         assert not [t for t in texts if TOKEN in t]
     finally:
         d.stop()
+
+
+def test_a_library_logger_with_its_own_handler_prints_no_secret(root_logging, capfd):
+    """A library that configures its own handler and stops propagation (MLflow's ``mlflow``
+    logger does) is covered too: the record is redacted where it is made, whatever prints it."""
+    import sys
+
+    lib = logging.getLogger("some.library")
+    own = logging.StreamHandler(sys.stderr)
+    own.setFormatter(logging.Formatter("LIB %(message)s"))
+    lib.addHandler(own)
+    lib.propagate = False
+    try:
+        setup_logging("text")
+        uri = f"https://bob:{TOKEN}@registry.example/api?X-Amz-Signature={TOKEN}"
+        lib.warning("calling %s", uri)
+        try:
+            raise RuntimeError(uri)
+        except RuntimeError:
+            lib.exception("failed")
+        err = capfd.readouterr().err
+        assert "LIB calling https://***@registry.example/api?X-Amz-Signature=***" in err, err
+        assert TOKEN not in err, err
+    finally:
+        lib.removeHandler(own)
+        lib.propagate = True
