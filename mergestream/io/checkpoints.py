@@ -44,6 +44,7 @@ from ..errors import (
     MissingKeyError,
     MissingShardError,
     NonFiniteError,
+    OutsideRootError,
     QuantizedCheckpointError,
     ShapeMismatchError,
     UnsupportedCheckpointError,
@@ -58,6 +59,7 @@ from .input_formats import (
     unwrap_container,
     wrapper_prefix,
 )
+from .paths import confined
 
 log = logging.getLogger(__name__)
 
@@ -421,6 +423,8 @@ def open_checkpoint(path: str | os.PathLike, expect_keys: list[str] | None = Non
     Raises:
         FileNotFoundError: the path does not exist.
         MissingShardError: the index names a shard that is absent.
+        OutsideRootError: the index names a shard outside the folder (absolute, ``..``), or a
+            file read from the folder is a symlink that leaves it (:func:`mergestream.io.paths.confined`).
         CorruptCheckpointError: a file is truncated or its header is unreadable.
         UnsupportedCheckpointError: nothing loadable was found, or a legacy file holds no single
             state dict of tensors. QuantizedCheckpointError: a safetensors dtype of a quantized format.
@@ -443,25 +447,40 @@ def open_checkpoint(path: str | os.PathLike, expect_keys: list[str] | None = Non
         raise UnsupportedCheckpointError(f"{p}: not a .safetensors, .bin, .pt, .pth or .ckpt file")
     index = p / INDEX_NAME
     if index.exists():
+        folder_file(p, INDEX_NAME)
         try:
             weight_map = st.parse_index(index.read_bytes(), str(index))
         except st.FormatError as exc:
             raise CorruptCheckpointError(str(exc)) from None
         shards = sorted(set(weight_map.values()))
-        missing = [s for s in shards if not (p / s).is_file()]
+        files = {s: confined(p, s, f"{p}: shard named in {INDEX_NAME}", error=OutsideRootError) for s in shards}
+        missing = [s for s, f in files.items() if not f.is_file()]
         if missing:
             raise MissingShardError(f"{p}: shard(s) named in {INDEX_NAME} are absent: {', '.join(missing)}")
-        return _open_safetensors_files(p, {k: p / v for k, v in weight_map.items()}, [p / s for s in shards])
+        return _open_safetensors_files(p, {k: files[v] for k, v in weight_map.items()}, list(files.values()))
     if (p / SINGLE_NAME).is_file():
-        return _open_safetensors_files(p, None, [p / SINGLE_NAME])
+        return _open_safetensors_files(p, None, [folder_file(p, SINGLE_NAME)])
     singles = sorted(p.glob("*.safetensors"))
     if len(singles) == 1 and not (p / "adapter_config.json").exists():
-        return _open_safetensors_files(p, None, singles)
+        return _open_safetensors_files(p, None, [folder_file(p, singles[0].name)])
     for legacy in ("pytorch_model.bin", "model.pt", "model.bin"):
         if (p / legacy).is_file():
-            return _open_legacy(p / legacy, expect_keys)
+            return _open_legacy(folder_file(p, legacy), expect_keys)
+    if (p / "pytorch_model.bin.index.json").exists():
+        raise UnsupportedCheckpointError(f"{p}: sharded legacy checkpoints (pytorch_model.bin.index.json) are not "
+                                         "read; convert the shards to safetensors")
     raise UnsupportedCheckpointError(
         f"{p}: no model.safetensors, {INDEX_NAME}, single *.safetensors or pytorch_model.bin found")
+
+
+def folder_file(folder: Path, name: str) -> Path:
+    """``folder / name`` for a file the readers open inside a model folder, checked to stay inside
+    it (:func:`mergestream.io.paths.confined`: a symlink that leaves the folder is refused).
+
+    Raises:
+        OutsideRootError: ``name`` resolves outside ``folder``.
+    """
+    return confined(folder, name, f"{folder}: file", error=OutsideRootError)
 
 
 def default_expert_id(path: str | os.PathLike) -> str:

@@ -66,6 +66,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...errors import MergestreamError
 from ...io import st
+from ...io.paths import confined_key
 from ...io.s3_checkpoint import REF_SUFFIX, S3Ref
 from ..s3client import (
     ObjectError,
@@ -464,19 +465,24 @@ class S3Source(Source):
         the file, or the folder (without its marker).
 
         Raises:
-            ObjectError: a read failed or the copy does not verify. OSError: the cache.
+            ObjectError: a read failed or the copy does not verify; ``outside``: an object key that
+            would leave the cache folder (:func:`mergestream.io.paths.confined_key`). OSError: the cache.
         """
         vid = hashlib.sha256(f"{cand.key}\0{cand.tag}".encode()).hexdigest()[:24]
         final = self.cache_dir / self.bucket / vid
         top = cand.key[len(self.prefix):].rstrip("/")
-        if final.is_dir() and all((final / o.key[len(self.prefix):]).is_file() and
-                                  (final / o.key[len(self.prefix):]).stat().st_size == o.size for o in cand.objects):
+        # every local name checked before the first byte is written: a key with "..", a leading "/"
+        # or an empty component under the prefix would write outside the cache folder
+        rels = {o.key: confined_key("", o.key[len(self.prefix):], f"s3://{self.bucket}/{o.key}: object key",
+                                    error=lambda m: ObjectError("outside", m)) for o in cand.objects}
+        if final.is_dir() and all((final / rels[o.key]).is_file() and
+                                  (final / rels[o.key]).stat().st_size == o.size for o in cand.objects):
             return final / top
         tmp = self.cache_dir / f".{vid}.tmp-{uuid.uuid4().hex[:8]}"
         client = self._get_client()
         try:
             for o in cand.objects:
-                dest = tmp / o.key[len(self.prefix):]
+                dest = tmp / rels[o.key]
                 download_object(client, self.bucket, o.key, dest, size=o.size, etag=o.etag)
                 if dest.name.endswith(".safetensors"):
                     try:
