@@ -447,9 +447,8 @@ def open_checkpoint(path: str | os.PathLike, expect_keys: list[str] | None = Non
         raise UnsupportedCheckpointError(f"{p}: not a .safetensors, .bin, .pt, .pth or .ckpt file")
     index = p / INDEX_NAME
     if index.exists():
-        folder_file(p, INDEX_NAME)
         try:
-            weight_map = st.parse_index(index.read_bytes(), str(index))
+            weight_map = st.parse_index(folder_file(p, INDEX_NAME).read_bytes(), str(index))
         except st.FormatError as exc:
             raise CorruptCheckpointError(str(exc)) from None
         shards = sorted(set(weight_map.values()))
