@@ -386,7 +386,7 @@ def open_expert(path: str | os.PathLike, base: Checkpoint) -> DenseExpert | Lora
     return DenseExpert(open_checkpoint(path, expect_keys=base.keys()))
 
 
-def content_sha256(path: str | os.PathLike) -> str:
+def content_sha256(path: str | os.PathLike, within: str | os.PathLike | None = None) -> str:
     """The one content hash of an expert (64 hex characters), whatever its form.
 
     - a dense safetensors checkpoint (file, folder, sharded): the weights hash of
@@ -401,6 +401,10 @@ def content_sha256(path: str | os.PathLike) -> str:
     object storage (an ``s3://`` URI or a ``*.s3ref.json`` reference) is hashed the same way,
     streamed with ranged GETs; one whose content does not parse is identified by its reference
     file's bytes (its bucket, keys and ETags), and a URI that does not parse raises.
+
+    ``within``: where a folder's files may resolve to through symlinks (the daemon passes the inbox
+    a folder expert arrived in: the fold reads its kept copy, links resolved, and must get the same
+    hash); default the folder itself.
 
     Raises:
         ObjectGoneError, ObjectChangedError: an expert in object storage was deleted or replaced
@@ -419,11 +423,11 @@ def content_sha256(path: str | os.PathLike) -> str:
     p = Path(path)
     try:
         if is_lora_adapter(p):
-            cfg = folder_file(p, "adapter_config.json").read_bytes()
+            cfg = folder_file(p, "adapter_config.json", within).read_bytes()
             weights = p / "adapter_model.safetensors"
-            inner = content_sha256(folder_file(p, weights.name if weights.is_file() else "adapter_model.bin"))
+            inner = content_sha256(folder_file(p, weights.name if weights.is_file() else "adapter_model.bin", within))
             return hashlib.sha256(b"mergestream-adapter-sha256/1\x00" + cfg + bytes.fromhex(inner)).hexdigest()
-        with open_checkpoint(p) as ck:
+        with open_checkpoint(p, within=within) as ck:
             return ck.sha256()
     except (CorruptCheckpointError, UnsupportedCheckpointError, MissingShardError, OutsideRootError,
             FileNotFoundError, OSError):

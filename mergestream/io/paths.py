@@ -55,17 +55,21 @@ def _inside(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
-def confined(root: str | os.PathLike, name: Any, what: str, *, error: ErrorType) -> Path:
+def confined(root: str | os.PathLike, name: Any, what: str, *, error: ErrorType,
+             within: str | os.PathLike | None = None) -> Path:
     """``root / name`` once ``name`` is checked: relative, no ``..``, and (links followed) inside
-    ``root``. The path returned is the joined one (messages keep naming it as the input does).
+    ``within`` (default ``root``; the daemon passes the inbox a folder expert arrived in, whose
+    links may point elsewhere in the inbox). The path returned is the joined one (messages keep
+    naming it as the input does).
 
     Raises:
-        error: see :func:`relative_name`; or the name resolves outside ``root`` through a symlink.
+        error: see :func:`relative_name`; or the name resolves outside ``within`` through a symlink.
     """
     rel = relative_name(name, what, error=error)
     path = Path(root) / rel
-    if not _inside(os.path.realpath(path), os.path.realpath(root)):
-        raise error(f"{what} {name!r} resolves outside {root} through a symlink")
+    limit = root if within is None else within
+    if not _inside(os.path.realpath(path), os.path.realpath(limit)):
+        raise error(f"{what} {name!r} resolves outside {limit} through a symlink")
     return path
 
 
