@@ -38,6 +38,13 @@ class ObjectGoneError(CheckpointError):
     """An object in object storage is absent: deleted, or never uploaded."""
 
 
+class OutsideRootError(CheckpointError):
+    """A path an input names leaves its root: a shard in an index, an adapter or patch file, an
+    object key under a bucket prefix, a feed target's file, a symlink in the inbox. Absolute paths,
+    ``..`` and names that resolve outside through a symlink are refused
+    (:mod:`mergestream.io.paths`)."""
+
+
 class MissingShardError(CheckpointError):
     """A shard named in ``model.safetensors.index.json`` is absent."""
 

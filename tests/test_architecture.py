@@ -153,7 +153,7 @@ def test_runtime_import_of_lower_layers_loads_no_daemon():
 #: what imports no torch, so a device or a CI job without it can use it: the I/O layer's format
 #: modules (the tensor readers and writers in io/ are the engine's and need torch), the patch apply
 #: side, the whole feed package (the fleet contract and the publisher) and the device agent
-TORCH_FREE = sorted(m for m in MODULES if m in {"mergestream", "mergestream.io", "mergestream.io.st",
+TORCH_FREE = sorted(m for m in MODULES if m in {"mergestream", "mergestream.io", "mergestream.io.st", "mergestream.io.paths",
                                                  "mergestream.io.versions", "mergestream.patches",
                                                  "mergestream.patches.codec", "mergestream.patches.build"}
                     or m.startswith(("mergestream.feed", "mergestream.agent")))
@@ -176,7 +176,7 @@ def test_torch_free_parts_import_no_torch_in_a_fresh_interpreter():
 
 def test_the_agent_imports_only_the_fleet_contract_patches_st_and_errors():
     allowed = ("mergestream.agent", "mergestream.feed.layout", "mergestream.feed.plan", "mergestream.patches",
-               "mergestream.io.st", "mergestream.errors")
+               "mergestream.io.st", "mergestream.io.paths", "mergestream.errors")
     graph = import_graph()
     for name, edges in graph.items():
         if name.startswith("mergestream.agent"):

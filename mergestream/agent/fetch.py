@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 _CHUNK = 256 * 1024
 _RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def target_url(base: str, tf: TargetFile) -> str:
@@ -52,12 +53,15 @@ def download(http: urllib3.PoolManager, base_url: str, tf: TargetFile, downloads
     Raises:
         DownloadFailed: the server is unreachable, answers an error status, or the connection
             breaks (the partial file is kept for the next attempt).
-        TargetRefused: more bytes than the signed length, a short body the server calls complete,
+        TargetRefused: a signed sha256 that is not 64 hex digits (it names the local file), more
+            bytes than the signed length, a short body the server calls complete,
             or a hash mismatch (the partial file is removed).
     """
+    sha = tf.hashes.get("sha256")
+    if not isinstance(sha, str) or not _SHA256.fullmatch(sha):  # it names the local file: hex only
+        raise TargetRefused(f"{tf.path}: refused: its sha256 {str(sha)[:80]!r} is not 64 hex digits")
     folder = Path(downloads)
     folder.mkdir(parents=True, exist_ok=True)
-    sha = tf.hashes["sha256"]
     final, part = folder / sha, folder / f"{sha}.part"
     if final.exists():
         _verify(final, tf)

@@ -33,6 +33,7 @@ from tuf.ngclient import Updater
 
 from ..feed.layout import LATEST, custom_of
 from ..feed.plan import NoPathError, Plan, Target, shortest
+from ..io.paths import confined, relative_name
 from ..patches import PatchError, apply_patch, weights_sha256
 from .errors import (
     DownloadFailed,
@@ -104,9 +105,7 @@ def _apply(dev: Device, plan: Plan, files: dict[str, Path], cur: str | None, new
     if plan.kind == "full":
         stage = dev.work / "full"
         for t in plan.steps:
-            dest = stage / t.info["file"]
-            if ".." in Path(t.info["file"]).parts or Path(t.info["file"]).is_absolute():
-                raise TargetRefused(f"{t.path}: unsafe file name {t.info['file']!r} in the signed target")
+            dest = confined(stage, t.info.get("file"), f"{t.path}: file", error=TargetRefused)
             dest.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(files[t.path], dest)
         os.rename(stage, out)
@@ -123,6 +122,18 @@ def _apply(dev: Device, plan: Plan, files: dict[str, Path], cur: str | None, new
             shutil.rmtree(src, ignore_errors=True)
         src = dest
         crashpoint("apply", i + 1)
+
+
+def _check_names(plan: Plan) -> None:
+    """Refuse a plan whose full-model files name a path outside the model folder (absolute,
+    ``..``: :func:`mergestream.io.paths.relative_name`), before anything is downloaded or written.
+
+    Raises:
+        TargetRefused: the first such file, named with its target.
+    """
+    if plan.kind == "full":
+        for t in plan.steps:
+            relative_name(t.info.get("file"), f"{t.path}: file", error=TargetRefused)
 
 
 def _check(cmd: str, slot_dir: Path) -> None:
@@ -198,6 +209,7 @@ def _pull(dev: Device, feed: str, root_file: str | None, check: str | None, star
         except NoPathError as exc:
             raise TargetRefused(str(exc)) from None
         log.info("plan %s", plan.describe())
+        _check_names(plan)
         http = urllib3.PoolManager(retries=urllib3.Retry(total=2, backoff_factor=0.5, raise_on_status=False),
                                    timeout=urllib3.Timeout(connect=10, read=60))
         files, moved = {}, 0

@@ -37,7 +37,8 @@ class ObjectError(Exception):
         kind: ``access_denied``, ``not_found`` (bucket or object; deleted), ``changed`` (the object
             was replaced while it was read), ``truncated`` (fewer bytes than listed, or a
             safetensors file shorter than its header declares), ``corrupt`` (content hash differs
-            from the ETag), ``unreachable`` (endpoint down, DNS, timeouts) or ``other``.
+            from the ETag), ``unreachable`` (endpoint down, DNS, timeouts), ``outside`` (an object key
+            that leaves its prefix: ``..``, a leading ``/``, an empty component) or ``other``.
     """
 
     def __init__(self, kind: str, message: str):

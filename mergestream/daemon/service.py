@@ -269,7 +269,9 @@ class Service:
         ``mergestream_experts_rejected_total{stage="duplicate"}``.
         """
         try:
-            sha = content_sha256(ev.uri)
+            # a folder expert's links may point elsewhere in the inbox (the source refused any that leave
+            # it): hashed as the fold will see its kept copy, links resolved
+            sha = content_sha256(ev.uri, within=self.cfg.inbox if ev.source == "folder" else None)
         except OSError as exc:
             self.metrics.source_errors.labels(source=ev.source).inc()
             log.warning("cannot read expert %s: %s", ev.uri, exc)

@@ -25,7 +25,8 @@ from typing import Any, Protocol
 
 from filelock import FileLock, Timeout
 
-from ..errors import MergestreamError, StateError
+from ..errors import MergestreamError, OutsideRootError, StateError
+from ..io.paths import confined_files
 from ..io.st import fsync_dir, link_or_copy, naming
 from ..io.state import StateDir
 from ..io.versions import Versions
@@ -234,17 +235,22 @@ class KeptExperts:
         """``<state>/<kind>/<expert_id>``: where an expert's kept files live."""
         return self.root / kind / expert_id
 
-    def keep(self, src: str | os.PathLike, expert_id: str) -> Path:
+    def keep(self, src: str | os.PathLike, expert_id: str, root: str | os.PathLike | None = None) -> Path:
         """Link or copy the expert at ``src`` (a file or a folder) into ``experts/<id>/``, or reuse
         the copy already kept for this id (an id names one content: a retried expert whose
         original is gone still folds). The copy appears complete or not at all (built in a hidden
-        folder, fsynced, renamed).
+        folder, fsynced, renamed). Symlinks are resolved (a relative link inside ``root`` stays
+        valid in the copy) and must stay inside ``root`` (:func:`mergestream.io.paths.confined_files`).
+
+        Args:
+            root: where the expert arrived (the inbox); None: ``src`` itself (its folder for a file).
 
         Returns:
             The kept path: ``experts/<id>/<src's name>``.
 
         Raises:
             FileNotFoundError: ``src`` is gone and nothing is kept for this id.
+            OutsideRootError: a file of ``src`` resolves outside ``root`` through a symlink (nothing kept).
             OSError: the copy failed (nothing is left behind).
         """
         src, home = Path(src), self.dir(expert_id)
@@ -258,7 +264,7 @@ class KeptExperts:
         home.parent.mkdir(parents=True, exist_ok=True)
         tmp = home.parent / f".{expert_id}.tmp-{uuid.uuid4().hex[:8]}"
         try:
-            _link_tree(src, tmp / src.name)
+            _link_tree(src, tmp / src.name, Path(root) if root is not None else src if src.is_dir() else src.parent)
             os.rename(tmp, home)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -288,16 +294,20 @@ class KeptExperts:
         return sorted(set(gone))
 
 
-def _link_tree(src: Path, dest: Path) -> None:
-    """Hard-link ``src`` (a file, or every file under a folder, symlinks followed) to ``dest``;
-    a file that cannot be linked (another filesystem, links not supported) is copied and fsynced.
-    The folders created are fsynced."""
+def _link_tree(src: Path, dest: Path, root: Path) -> None:
+    """Hard-link ``src`` (a file, or every file under a folder, symlinks followed and resolved, each
+    inside ``root``) to ``dest``; a file that cannot be linked (another filesystem, links not
+    supported) is copied and fsynced. The folders created are fsynced.
+
+    Raises:
+        OutsideRootError: a symlink under ``src`` leaves ``root`` (before anything is linked).
+    """
+    found = confined_files(src, root, f"expert {src.name}", error=OutsideRootError)
     if src.is_dir():
-        files = [(Path(d) / f, dest / Path(d).relative_to(src) / f)
-                 for d, _, names in os.walk(src, followlinks=True) for f in names]
+        files = [(real, dest / rel) for rel, real in found]
         dest.mkdir(parents=True)
     else:
-        files = [(src, dest)]
+        files = [(found[0][1], dest)]
     folders = {dest.parent, dest} if src.is_dir() else {dest.parent}
     for a, b in files:
         b.parent.mkdir(parents=True, exist_ok=True)

@@ -22,6 +22,7 @@ from ..io.checkpoints import (
     Checkpoint,
     TensorMeta,
     default_expert_id,
+    folder_file,
     is_float_dtype,
     open_checkpoint,
     validate_against_base,
@@ -195,9 +196,9 @@ def describe(path: str | os.PathLike) -> dict[str, Any]:
     remote = is_s3_uri(path)  # read in place; a Path would fold "s3://" into "s3:/"
     p = path if remote else Path(path)
     if not remote and (p / "adapter_config.json").exists():
-        cfg_path = p / "adapter_config.json"
+        cfg_path = folder_file(p, "adapter_config.json")
         cfg = load_json(cfg_path.read_bytes(), str(cfg_path), error=CorruptCheckpointError)
-        ck = open_checkpoint(p / "adapter_model.safetensors")
+        ck = open_checkpoint(folder_file(p, "adapter_model.safetensors"))
         kind = "lora"
     else:
         cfg, ck, kind = None, open_checkpoint(p), "dense"

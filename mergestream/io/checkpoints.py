@@ -44,6 +44,7 @@ from ..errors import (
     MissingKeyError,
     MissingShardError,
     NonFiniteError,
+    OutsideRootError,
     QuantizedCheckpointError,
     ShapeMismatchError,
     UnsupportedCheckpointError,
@@ -58,6 +59,7 @@ from .input_formats import (
     unwrap_container,
     wrapper_prefix,
 )
+from .paths import confined
 
 log = logging.getLogger(__name__)
 
@@ -401,7 +403,8 @@ def _open_legacy(path: Path, expect_keys: list[str] | None = None) -> Checkpoint
     return ck
 
 
-def open_checkpoint(path: str | os.PathLike, expect_keys: list[str] | None = None) -> Checkpoint:
+def open_checkpoint(path: str | os.PathLike, expect_keys: list[str] | None = None, *,
+                    within: str | os.PathLike | None = None) -> Checkpoint:
     """Open a dense checkpoint lazily.
 
     Args:
@@ -414,6 +417,7 @@ def open_checkpoint(path: str | os.PathLike, expect_keys: list[str] | None = Non
         expect_keys: the base's tensor names, when opening an expert: a wrapper prefix on every
             name of a legacy state dict is stripped when the base's names lack it (logged;
             :func:`mergestream.io.input_formats.wrapper_prefix`).
+        within: where a folder's files may resolve to through symlinks (default: the folder).
 
     Returns:
         A :class:`Checkpoint`; no tensor data has been read.
@@ -421,6 +425,8 @@ def open_checkpoint(path: str | os.PathLike, expect_keys: list[str] | None = Non
     Raises:
         FileNotFoundError: the path does not exist.
         MissingShardError: the index names a shard that is absent.
+        OutsideRootError: the index names a shard outside the folder (absolute, ``..``), or a
+            file read from the folder is a symlink that leaves it (:func:`mergestream.io.paths.confined`).
         CorruptCheckpointError: a file is truncated or its header is unreadable.
         UnsupportedCheckpointError: nothing loadable was found, or a legacy file holds no single
             state dict of tensors. QuantizedCheckpointError: a safetensors dtype of a quantized format.
@@ -444,24 +450,35 @@ def open_checkpoint(path: str | os.PathLike, expect_keys: list[str] | None = Non
     index = p / INDEX_NAME
     if index.exists():
         try:
-            weight_map = st.parse_index(index.read_bytes(), str(index))
+            weight_map = st.parse_index(folder_file(p, INDEX_NAME, within).read_bytes(), str(index))
         except st.FormatError as exc:
             raise CorruptCheckpointError(str(exc)) from None
         shards = sorted(set(weight_map.values()))
-        missing = [s for s in shards if not (p / s).is_file()]
+        files = {s: confined(p, s, f"{p}: shard named in {INDEX_NAME}", error=OutsideRootError, within=within)
+                 for s in shards}
+        missing = [s for s, f in files.items() if not f.is_file()]
         if missing:
             raise MissingShardError(f"{p}: shard(s) named in {INDEX_NAME} are absent: {', '.join(missing)}")
-        return _open_safetensors_files(p, {k: p / v for k, v in weight_map.items()}, [p / s for s in shards])
+        return _open_safetensors_files(p, {k: files[v] for k, v in weight_map.items()}, list(files.values()))
     if (p / SINGLE_NAME).is_file():
-        return _open_safetensors_files(p, None, [p / SINGLE_NAME])
+        return _open_safetensors_files(p, None, [folder_file(p, SINGLE_NAME, within)])
     singles = sorted(p.glob("*.safetensors"))
     if len(singles) == 1 and not (p / "adapter_config.json").exists():
-        return _open_safetensors_files(p, None, singles)
+        return _open_safetensors_files(p, None, [folder_file(p, singles[0].name, within)])
     for legacy in ("pytorch_model.bin", "model.pt", "model.bin"):
         if (p / legacy).is_file():
-            return _open_legacy(p / legacy, expect_keys)
+            return _open_legacy(folder_file(p, legacy, within), expect_keys)
+    if (p / "pytorch_model.bin.index.json").exists():
+        raise UnsupportedCheckpointError(f"{p}: sharded legacy checkpoints (pytorch_model.bin.index.json) are not "
+                                         "read; convert the shards to safetensors")
     raise UnsupportedCheckpointError(
         f"{p}: no model.safetensors, {INDEX_NAME}, single *.safetensors or pytorch_model.bin found")
+
+
+def folder_file(folder: Path, name: str, within: str | os.PathLike | None = None) -> Path:
+    """``folder / name``, a file the readers open in a model folder, checked to resolve inside
+    ``within`` (default ``folder``; :func:`mergestream.io.paths.confined`). Raises OutsideRootError."""
+    return confined(folder, name, f"{folder}: file", error=OutsideRootError, within=within)
 
 
 def default_expert_id(path: str | os.PathLike) -> str:

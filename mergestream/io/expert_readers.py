@@ -26,6 +26,7 @@ from ..errors import (
     NonFiniteError,
     ObjectChangedError,
     ObjectGoneError,
+    OutsideRootError,
     ShapeMismatchError,
     UnsupportedCheckpointError,
     VocabularyGrownError,
@@ -36,6 +37,7 @@ from .checkpoints import (
     check_not_quantized,
     count_non_finite,
     file_sha256,
+    folder_file,
     is_embedding_name,
     open_checkpoint,
     open_safetensors_file,
@@ -197,7 +199,7 @@ class LoraExpert:
 
     def __init__(self, folder: Path, base_keys: list[str], base_meta):
         self.path = folder
-        cfg_path = folder / "adapter_config.json"
+        cfg_path = folder_file(folder, "adapter_config.json")
         cfg = load_json(cfg_path.read_bytes(), str(cfg_path), error=CorruptCheckpointError)
         _check_adapter_types(cfg, cfg_path)
         self.config = cfg
@@ -216,11 +218,11 @@ class LoraExpert:
         if not weights.is_file():
             legacy = folder / "adapter_model.bin"
             if legacy.is_file():
-                self._ckpt = open_checkpoint(legacy)
+                self._ckpt = open_checkpoint(folder_file(folder, legacy.name))
             else:
                 raise UnsupportedCheckpointError(f"{folder}: adapter_model.safetensors is missing")
         else:
-            self._ckpt = open_safetensors_file(weights)
+            self._ckpt = open_safetensors_file(folder_file(folder, weights.name))
         self.fan_in_fan_out = bool(cfg.get("fan_in_fan_out", False))
         self.use_rslora = bool(cfg.get("use_rslora", False))
         self.lora_alpha = float(cfg.get("lora_alpha", 8))
@@ -384,7 +386,7 @@ def open_expert(path: str | os.PathLike, base: Checkpoint) -> DenseExpert | Lora
     return DenseExpert(open_checkpoint(path, expect_keys=base.keys()))
 
 
-def content_sha256(path: str | os.PathLike) -> str:
+def content_sha256(path: str | os.PathLike, within: str | os.PathLike | None = None) -> str:
     """The one content hash of an expert (64 hex characters), whatever its form.
 
     - a dense safetensors checkpoint (file, folder, sharded): the weights hash of
@@ -399,6 +401,10 @@ def content_sha256(path: str | os.PathLike) -> str:
     object storage (an ``s3://`` URI or a ``*.s3ref.json`` reference) is hashed the same way,
     streamed with ranged GETs; one whose content does not parse is identified by its reference
     file's bytes (its bucket, keys and ETags), and a URI that does not parse raises.
+
+    ``within``: where a folder's files may resolve to through symlinks (the daemon passes the inbox
+    a folder expert arrived in: the fold reads its kept copy, links resolved, and must get the same
+    hash); default the folder itself.
 
     Raises:
         ObjectGoneError, ObjectChangedError: an expert in object storage was deleted or replaced
@@ -417,13 +423,14 @@ def content_sha256(path: str | os.PathLike) -> str:
     p = Path(path)
     try:
         if is_lora_adapter(p):
-            cfg = (p / "adapter_config.json").read_bytes()
+            cfg = folder_file(p, "adapter_config.json", within).read_bytes()
             weights = p / "adapter_model.safetensors"
-            inner = content_sha256(weights if weights.is_file() else p / "adapter_model.bin")
+            inner = content_sha256(folder_file(p, weights.name if weights.is_file() else "adapter_model.bin", within))
             return hashlib.sha256(b"mergestream-adapter-sha256/1\x00" + cfg + bytes.fromhex(inner)).hexdigest()
-        with open_checkpoint(p) as ck:
+        with open_checkpoint(p, within=within) as ck:
             return ck.sha256()
-    except (CorruptCheckpointError, UnsupportedCheckpointError, MissingShardError, FileNotFoundError, OSError):
+    except (CorruptCheckpointError, UnsupportedCheckpointError, MissingShardError, OutsideRootError,
+            FileNotFoundError, OSError):
         pass
     files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file() and f.name != "READY")
     return file_sha256(files)

@@ -47,9 +47,11 @@ from ..errors import (
     MissingShardError,
     ObjectChangedError,
     ObjectGoneError,
+    OutsideRootError,
     UnsupportedCheckpointError,
 )
 from . import st
+from .paths import confined_key
 from .st import load_json
 
 log = logging.getLogger(__name__)
@@ -360,6 +362,8 @@ def open_objects(path: str | os.PathLike, client: Any = None) -> tuple[str, dict
         ObjectGoneError: the object (or the folder's index and ``model.safetensors``) is absent.
         ObjectChangedError: a reference's object is another version now.
         MissingShardError: the index names a shard that is absent.
+        OutsideRootError: the index names a shard key outside the folder's prefix (absolute, ``..``,
+            an empty or ``.`` component: :func:`mergestream.io.paths.confined_key`).
         UnsupportedCheckpointError: a PEFT adapter folder (download it first) or not a URI.
         CorruptCheckpointError: an unreadable index or reference; a size that differs from the reference's.
     """
@@ -403,10 +407,13 @@ def _find(src: S3Objects, ref: S3Ref, key: str) -> tuple[str, dict[str, Path] | 
         weight_map = st.parse_index(raw, f"s3://{src.bucket}/{folder}{_INDEX}")
     except st.FormatError as exc:
         raise CorruptCheckpointError(str(exc)) from None
+    shards = sorted(set(weight_map.values()))
+    keys = {s: confined_key(folder, s, f"s3://{src.bucket}/{folder}{_INDEX}: shard", error=OutsideRootError)
+            for s in shards}  # every key checked before the first request for one
     files = {}
-    for shard in sorted(set(weight_map.values())):
+    for shard in shards:
         try:
-            files[shard] = pin(folder + shard)
+            files[shard] = pin(keys[shard])
         except ObjectGoneError:
             raise MissingShardError(f"{ref.uri}: shard named in {_INDEX} is absent: {shard}") from None
     return ref.uri, {k: files[v] for k, v in weight_map.items()}, list(files.values()), src

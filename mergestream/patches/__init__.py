@@ -58,6 +58,7 @@ from typing import Any
 
 import numpy as np
 
+from ..io.paths import confined, relative_name
 from ..io.st import (
     DTYPE_SIZES,
     WEIGHTS_HASH_TAG,
@@ -122,7 +123,8 @@ class Weights:
         entries: ``{name: TensorEntry}`` in file order. headers: ``{file: Header}``.
 
     Raises:
-        PatchError: nothing loadable, a missing shard, a malformed/truncated file, a tensor in two
+        PatchError: nothing loadable, a missing shard, a shard named outside the folder
+        (:func:`mergestream.io.paths.confined`), a malformed/truncated file, a tensor in two
         shards, or an index that disagrees with the shards.
     """
 
@@ -140,10 +142,10 @@ class Weights:
             if indexes:
                 self.index = indexes[0]
                 shards = sorted(set(parse_index(self.index.read_bytes(), str(self.index)).values()))
-                missing = [s for s in shards if not (p / s).is_file()]
+                files = [confined(p, s, f"shard named in {self.index.name}", error=PatchError) for s in shards]
+                missing = [s for s, f in zip(shards, files) if not f.is_file()]
                 if missing:
                     raise PatchError(f"{p}: shard(s) named in {self.index.name} are absent: {', '.join(missing)}")
-                files = [p / s for s in shards]
             elif (p / SINGLE_NAME).is_file():
                 files = [p / SINGLE_NAME]
             else:
@@ -256,8 +258,14 @@ def canonical_header(obj: dict[str, Any]) -> bytes:
 
 
 def _safe_name(name: Any, what: str) -> str:
-    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name \
-            or "\x00" in name or name.startswith("."):
+    """``name`` when it is a plain file name in the output folder: the confinement rules of
+    :func:`mergestream.io.paths.relative_name`, and flat (no ``/``, no leading ``.``).
+
+    Raises:
+        PatchError: any other name.
+    """
+    relative_name(name, f"patch names a {what} file", error=PatchError)
+    if name in (".", "..") or "/" in name or name.startswith("."):
         raise PatchError(f"patch names an unsafe {what} file name {name!r}")
     return name
 

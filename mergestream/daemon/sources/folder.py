@@ -46,6 +46,11 @@ an event touches it again. Every 30 s the checker also lists the inbox, in case 
 (e.g. an inotify queue overflow). :meth:`FolderSource.start` starts the observer first, then runs
 :meth:`FolderSource.scan` (what arrived while the daemon was down), then the checker.
 
+Symlinks: an entry that is, or holds, a symlink resolving outside the inbox is never emitted: it is
+refused with its reason (a warning, ``on_error``, a ``status`` note ``inbox:<name>``) until it is
+gone or fixed. Links that stay inside the inbox work; the daemon's kept copy resolves them
+(:meth:`mergestream.daemon.store.KeptExperts.keep`).
+
 inotify limits: the per-user inotify instances (``fs.inotify.max_user_instances``) and watches
 (``fs.inotify.max_user_watches``) are shared by every process and container of a node running as
 the same uid. When the native observer cannot get an instance, or a watch for the inbox or for a
@@ -68,7 +73,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ...errors import OutsideRootError
 from ...io.checkpoints import default_expert_id
+from ...io.paths import escaping_link
 from .base import Emit, ExpertReady, Source, SourceContext
 from .readiness import (
     MARKER_NAME,
@@ -197,6 +204,7 @@ class FolderSource(Source):
         self._failed: dict[str, Signature] = {}  # its check raised: not looked at again until it changes
         self.on_error = on_error
         self.note = note
+        self._refused: dict[str, Signature | None] = {}  # entries with a symlink out of the inbox
         self.fallback: str | None = None
         self._observer = None
         self._observer_lock = threading.Lock()  # start/stop/switch of the observer
@@ -444,10 +452,34 @@ class FolderSource(Source):
         except Exception:
             log.warning("cannot keep the status note of inbox entry %s", name, exc_info=True)
 
+    def _leaves_inbox(self, name: str, path: Path, sig: Signature | None) -> bool:
+        """True if entry ``name`` is (or holds) a symlink that resolves outside the inbox
+        (:func:`mergestream.io.paths.escaping_link`): never emitted, refused once per signature (a
+        warning, ``on_error`` with an :class:`~mergestream.errors.OutsideRootError`, the entry's
+        ``status`` note), looked at again when it changes; the note goes once it is gone or fixed."""
+        why = escaping_link(path, self.inbox) if sig is not None or os.path.islink(path) else None
+        if why is None:
+            if self._refused.pop(name, False) is not False:
+                self._entry_note(name, None)
+            return False
+        self._pending.pop(name, None)
+        if name not in self._refused or self._refused[name] != sig:
+            self._refused[name] = sig
+            log.warning("inbox entry refused path=%s reason=%s", path, why)
+            if self.on_error is not None:
+                try:
+                    self.on_error(OutsideRootError(f"inbox entry {name} refused: {why}"))
+                except Exception:
+                    log.exception("on_error callback failed")
+            self._entry_note(name, f"{name}: refused: {why}", "error")
+        return True
+
     def _check_one(self, name: str) -> ExpertReady | None:
         path = self.inbox / name
         cand = self._pending[name]
         sig = file_signature(path)
+        if self._leaves_inbox(name, path, sig):
+            return None
         if sig is None:  # deleted or moved away: forget it (a new arrival is a new expert)
             del self._pending[name]
             self._emitted.pop(name, None)

@@ -36,6 +36,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ...errors import OutsideRootError
+from ...io.paths import confined
 from ...redaction import redact_uris
 from .readiness import FILE_SUFFIXES, folder_member, loadable_folder
 
@@ -100,15 +102,20 @@ def verify_copy(local: Path, listing: dict[str, int | None], what: str) -> None:
 
     Raises:
         DownloadIncomplete: the listing is empty, or a file is missing or of another size (the
-            first few named, with both sizes in bytes).
+            first few named, with both sizes in bytes), or named outside the copy
+            (:func:`mergestream.io.paths.confined`).
     """
     if not listing:
         raise DownloadIncomplete(f"{what}: the artifact listing names no files")
     problems = []
     for rel, size in sorted(listing.items()):
+        try:
+            path = confined(local, rel, "artifact", error=OutsideRootError) if rel else local
+        except OutsideRootError as exc:  # never stat (or trust) a file the listing names outside the copy
+            problems.append(str(exc))
+            continue
         if rel and not folder_member(rel):
             continue
-        path = local / rel if rel else local
         try:
             have = path.stat().st_size if path.is_file() else None
         except OSError:

@@ -66,6 +66,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...errors import MergestreamError
 from ...io import st
+from ...io.paths import confined_key
 from ...io.s3_checkpoint import REF_SUFFIX, S3Ref
 from ..s3client import (
     ObjectError,
@@ -168,9 +169,13 @@ def folder_candidate(key: str, objects: list[Listed]) -> Candidate | None:
     names such as ``.gitattributes`` are not part of it), its tag is :func:`folder_tag` of those
     files and the ``READY`` marker. None while the marker is absent or there is no file.
 
+    A key with a ``..`` component is kept among the files (not ignored as hidden), so that the
+    download refuses the whole folder with its reason (``outside``).
+
     The listing and the pre-fold check (:func:`version_exists`) both build the expert here."""
     marker = [o for o in objects if o.key == key + MARKER_NAME]
-    files = tuple(o for o in objects if o.key.startswith(key) and folder_member(o.key[len(key):]))
+    files = tuple(o for o in objects if o.key.startswith(key) and (folder_member(o.key[len(key):])
+                                                                   or ".." in o.key[len(key):].split("/")))
     if not marker or not files:
         return None
     return Candidate(key, folder_tag([*files, *marker]), files, key.rstrip("/").rpartition("/")[2])
@@ -424,6 +429,7 @@ class S3Source(Source):
     def _take(self, cand: Candidate) -> ExpertReady | None:
         """Download, verify and emit one expert version; None if it failed (reported)."""
         try:
+            self._local_names(cand)  # a key that leaves the folder: refused, downloaded or referenced
             path = self._download(cand) if self.cache or _is_adapter(cand) else self._reference(cand)
         except ObjectError as err:
             if err.kind in ("unreachable", "changed"):  # transient: said each time, not remembered
@@ -459,24 +465,37 @@ class S3Source(Source):
         ref = S3Ref(f"s3://{self.bucket}/{cand.key}", objects, self.endpoint_url, self.region)
         return ref.write(self.refs_dir / self.bucket / vid / f"{cand.name}{REF_SUFFIX}")
 
+    def _local_names(self, cand: Candidate) -> dict[str, str]:
+        """``{object key: name under the version's cache folder}`` for each object of ``cand``.
+
+        Raises:
+            ObjectError: ``outside``: a key whose name under the prefix has ``..``, a leading ``/``
+                or an empty component (:func:`mergestream.io.paths.confined_key`): it would leave
+                the cache folder.
+        """
+        return {o.key: confined_key("", o.key[len(self.prefix):], f"s3://{self.bucket}/{o.key}: object key",
+                                    error=lambda m: ObjectError("outside", m)) for o in cand.objects}
+
     def _download(self, cand: Candidate) -> Path:
         """The verified local copy of ``cand`` in the cache (downloaded unless already there):
         the file, or the folder (without its marker).
 
         Raises:
-            ObjectError: a read failed or the copy does not verify. OSError: the cache.
+            ObjectError: a read failed or the copy does not verify; ``outside``: an object key that
+            would leave the cache folder (:func:`mergestream.io.paths.confined_key`). OSError: the cache.
         """
         vid = hashlib.sha256(f"{cand.key}\0{cand.tag}".encode()).hexdigest()[:24]
         final = self.cache_dir / self.bucket / vid
         top = cand.key[len(self.prefix):].rstrip("/")
-        if final.is_dir() and all((final / o.key[len(self.prefix):]).is_file() and
-                                  (final / o.key[len(self.prefix):]).stat().st_size == o.size for o in cand.objects):
+        rels = self._local_names(cand)  # every local name checked before the first byte is written
+        if final.is_dir() and all((final / rels[o.key]).is_file() and
+                                  (final / rels[o.key]).stat().st_size == o.size for o in cand.objects):
             return final / top
         tmp = self.cache_dir / f".{vid}.tmp-{uuid.uuid4().hex[:8]}"
         client = self._get_client()
         try:
             for o in cand.objects:
-                dest = tmp / o.key[len(self.prefix):]
+                dest = tmp / rels[o.key]
                 download_object(client, self.bucket, o.key, dest, size=o.size, etag=o.etag)
                 if dest.name.endswith(".safetensors"):
                     try:
