@@ -34,7 +34,7 @@ from .s3_server import TEST_CREDENTIALS, s3  # noqa: F401 - s3: a fixture
 from .test_patches import forge
 
 BAD_NAMES = ["/etc/passwd", "../x.safetensors", "a/../../x", "~/x", "~root/x", "C:/x", "C:x", "a\\..\\x",
-             "a\x00b", "", None, 3]
+             "a\x00b", "", None, 3, "x" * 256 + ".safetensors", "sub/" + "é" * 128]
 
 
 # -- the rules -------------------------------------------------------------------------------------
@@ -174,6 +174,24 @@ def test_a_shard_link_that_stays_inside_the_folder_folds(world):
         json.dumps({"metadata": {}, "weight_map": {k: "model-00001.safetensors" for k in w["tensors"]}}))
     assert _fold(w, e, "inside").returncode == 0
     assert (w["root"] / "out-inside" / "model.safetensors").is_file()
+
+
+def test_a_hugging_face_cache_snapshot_folds_and_its_links_stay_in_its_repository(world):
+    """``models--org--name/snapshots/<rev>/`` holds links to ``../../blobs/<hash>``: its root is
+    the repository folder, so it folds; a link out of the repository folder is still refused."""
+    w = world
+    repo = w["root"] / "hub" / "models--org--tiny"
+    save_tensors(repo / "blobs" / "0123abcd", {k: v + 0.01 if v.is_floating_point() else v
+                                               for k, v in w["tensors"].items()})
+    snap = repo / "snapshots" / "rev1"
+    snap.mkdir(parents=True)
+    os.symlink("../../blobs/0123abcd", snap / "model.safetensors")
+    assert _fold(w, snap, "hf").returncode == 0
+    assert (w["root"] / "out-hf" / "model.safetensors").is_file()
+    out = repo / "snapshots" / "rev2"
+    out.mkdir()
+    os.symlink(w["secret"], out / "model.safetensors")
+    _one_line_exit_2(_fold(w, out, "hf2"), "model.safetensors")
 
 
 @pytest.mark.parametrize("member", ["adapter_model.safetensors", "adapter_config.json"])

@@ -7,9 +7,13 @@ only when it is
 
 * a non-empty string without NUL bytes or backslashes;
 * relative: no leading ``/`` (nor ``~``, nor a Windows drive);
-* without a ``..`` component;
+* without a ``..`` component, and no component longer than :data:`NAME_MAX` bytes (no file system
+  here holds one: refused by name instead of an ``ENAMETOOLONG`` from the first ``stat``);
 * and, for a local root, resolving inside the root once every symlink on the way is followed
   (``os.path.realpath``): a link that leaves the root refuses the name as surely as ``../``.
+  The root of a Hugging Face cache snapshot (``.../models--org--name/snapshots/<revision>``, whose
+  files are links to ``../../blobs/<hash>``) is its repository folder ``models--org--name``
+  (:func:`default_root`).
 
 Each function takes ``error``, the exception class its caller raises for bad input (the reader's
 own: :class:`~mergestream.errors.OutsideRootError` in the checkpoint readers and the daemon,
@@ -31,6 +35,8 @@ from typing import Any
 
 #: The exception type a caller passes (built from one message).
 ErrorType = Callable[[str], Exception]
+#: Bytes one path component may have (Linux ``NAME_MAX``; most other systems hold no more).
+NAME_MAX = 255
 
 
 def relative_name(name: Any, what: str, *, error: ErrorType) -> str:
@@ -38,7 +44,8 @@ def relative_name(name: Any, what: str, *, error: ErrorType) -> str:
     text with ``/`` separators.
 
     Raises:
-        error: not a string, empty, NUL or backslash in it, absolute, or a ``..`` component.
+        error: not a string, empty, NUL or backslash in it, absolute, a ``..`` component, or a
+            component longer than :data:`NAME_MAX` bytes.
     """
     if not isinstance(name, str) or not name:
         raise error(f"{what} {name!r} is not a file name")
@@ -48,7 +55,21 @@ def relative_name(name: Any, what: str, *, error: ErrorType) -> str:
         raise error(f"{what} {name!r} is an absolute path: names must be relative to their folder")
     if ".." in PurePosixPath(name).parts:
         raise error(f"{what} {name!r} leaves its folder ('..')")
+    long = next((c for c in name.split("/") if len(os.fsencode(c)) > NAME_MAX), None)
+    if long is not None:
+        raise error(f"{what} {name[:80]!r}...: a component of {len(os.fsencode(long))} bytes, more than a file "
+                    f"name holds ({NAME_MAX})")
     return name
+
+
+def default_root(folder: str | os.PathLike) -> Path:
+    """Where the files of model folder ``folder`` may resolve to when no root is given: the folder
+    itself, or for a Hugging Face cache snapshot (``<cache>/models--org--name/snapshots/<rev>``) its
+    repository folder, which holds the blobs its files link to."""
+    p = Path(folder)
+    if p.parent.name == "snapshots" and p.parent.parent.name.startswith(("models--", "datasets--")):
+        return p.parent.parent
+    return p
 
 
 def _inside(path: str, root: str) -> bool:
@@ -58,7 +79,7 @@ def _inside(path: str, root: str) -> bool:
 def confined(root: str | os.PathLike, name: Any, what: str, *, error: ErrorType,
              within: str | os.PathLike | None = None) -> Path:
     """``root / name`` once ``name`` is checked: relative, no ``..``, and (links followed) inside
-    ``within`` (default ``root``; the daemon passes the inbox a folder expert arrived in, whose
+    ``within`` (default :func:`default_root` of ``root``; the daemon passes the inbox a folder expert arrived in, whose
     links may point elsewhere in the inbox). The path returned is the joined one (messages keep
     naming it as the input does).
 
@@ -67,7 +88,7 @@ def confined(root: str | os.PathLike, name: Any, what: str, *, error: ErrorType,
     """
     rel = relative_name(name, what, error=error)
     path = Path(root) / rel
-    limit = root if within is None else within
+    limit = default_root(root) if within is None else within
     if not _inside(os.path.realpath(path), os.path.realpath(limit)):
         raise error(f"{what} {name!r} resolves outside {limit} through a symlink")
     return path
