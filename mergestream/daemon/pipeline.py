@@ -45,7 +45,7 @@ from .metrics import Metrics
 from .prestep import PreStepRejected, PreSteps, StopRequested
 from .probing import Prober
 from .records import Attempt, ExpertRow, Outcome
-from .store import Store
+from .store import Store, arrival_root
 from .tracking import Tracker
 
 log = logging.getLogger("mergestream.service")
@@ -184,7 +184,7 @@ class Pipeline:
             src = self.presteps.adapt(row, att) if "ri" in pol.preprocess else row.uri
             raw = Path(src) == Path(row.uri)
             if raw:  # fold (and record for replay) the kept copy, whatever becomes of the original
-                arrived_in = self.cfg.inbox if row.source == "folder" else None  # its links stay inside it
+                arrived_in = arrival_root(row.source, row.uri, self.cfg.inbox)  # its links stay inside it
                 src = str(self.store.kept.keep(row.uri, row.expert_id, root=arrived_in))
                 att.candidate_expert = Path(src) if Path(src).is_dir() else None
             objective = self.presteps.objective(att.candidate_expert, policy) if policy.searches_coefficients() \

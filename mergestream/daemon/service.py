@@ -32,7 +32,7 @@ from .metrics import Metrics, MetricsServer
 from .mirror import build_mirror
 from .pipeline import HASH_KEY, HASH_KIND, Pipeline
 from .sources import ExpertReady, Source, SourceContext, build_sources, still_available
-from .store import Store
+from .store import Store, arrival_root
 from .tracking import Tracker
 
 log = logging.getLogger("mergestream.service")
@@ -271,7 +271,7 @@ class Service:
         try:
             # a folder expert's links may point elsewhere in the inbox (the source refused any that leave
             # it): hashed as the fold will see its kept copy, links resolved
-            sha = content_sha256(ev.uri, within=self.cfg.inbox if ev.source == "folder" else None)
+            sha = content_sha256(ev.uri, within=arrival_root(ev.source, ev.uri, self.cfg.inbox))
         except OSError as exc:
             self.metrics.source_errors.labels(source=ev.source).inc()
             log.warning("cannot read expert %s: %s", ev.uri, exc)

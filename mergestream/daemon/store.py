@@ -315,3 +315,16 @@ def _link_tree(src: Path, dest: Path, root: Path) -> None:
         link_or_copy(a, b)
     for d in sorted(folders, key=lambda p: len(p.parts), reverse=True):
         fsync_dir(d)
+
+
+def arrival_root(source: str, uri: str, inbox: Path | None) -> Path | None:
+    """Where the links of an expert may resolve to: the inbox for an entry of the folder source
+    that sits in it (its links may point elsewhere in the inbox, never out of it), else None (the
+    expert's own folder)."""
+    if source != "folder" or inbox is None:
+        return None
+    try:
+        Path(os.path.abspath(uri)).relative_to(os.path.abspath(inbox))
+    except ValueError:
+        return None
+    return Path(inbox)
