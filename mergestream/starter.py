@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from .config import ConfigError, load_config
-from .io.st import naming
+from .io.st import write_atomic
 from .policies import RECOMMENDED_PARAMS, RECOMMENDED_POLICY, make_policy, parameter_names, policy_names
 
 STARTER = """\
@@ -142,16 +142,10 @@ def write_starter(folder: str | os.PathLike, base: str, policy: str | None = Non
                           unmerge_mode=mode, pad=" " * max(1, 16 - len(mode)),  # the comments line up
                           policies=_policy_lines())
     made = [p for p in (d / "inbox", d, *d.parents) if not p.exists()]
-    tmp = d / f".config.yaml.tmp-{os.getpid()}"
     try:  # complete or not at all: an OSError (a full disk) leaves neither the file nor the folders made
         (d / "inbox").mkdir(parents=True, exist_ok=True)
-        with naming(tmp), open(tmp, "w") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        write_atomic(path, text.encode())
     except BaseException:
-        tmp.unlink(missing_ok=True)
         for p in made:
             with contextlib.suppress(OSError):
                 p.rmdir()

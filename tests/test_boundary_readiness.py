@@ -11,30 +11,13 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
-
 from mergestream.daemon.sources import FolderSource
 from mergestream.daemon.sources.base import SourceContext, source_notes
 from mergestream.daemon.sources.readiness import cannot_complete, expert_complete, never_an_expert, unwritten_reason
 
-from .test_sources import Collector, backdate, st_bytes
+from .test_sources import Collector, backdate, st_bytes, started  # noqa: F401 - started: a fixture
 
 SETTLE = 0.3
-
-
-@pytest.fixture
-def started():
-    """Start FolderSources and always stop them."""
-    sources: list[FolderSource] = []
-
-    def _start(src: FolderSource) -> FolderSource:
-        src.start()
-        sources.append(src)
-        return src
-
-    yield _start
-    for s in sources:
-        s.stop()
 
 
 class Notes:

@@ -48,7 +48,7 @@ from tuf.api.metadata import (
 from tuf.api.serialization.json import JSONSerializer
 
 from ..errors import MergestreamError
-from ..io.st import aux_files, fsync_dir, link_or_copy, naming, read_header
+from ..io.st import aux_files, fsync_dir, link_or_copy, read_header, write_atomic
 from ..io.versions import Versions
 from ..patches import PatchFormat, Weights
 from . import keys as feed_keys
@@ -76,17 +76,7 @@ def _load(path: Path) -> Metadata | None:
 def _write(md: Metadata, path: Path) -> None:
     """Write ``md`` to ``path`` atomically (temp file, fsync, rename); an OSError (a full disk)
     names the file and leaves no temp file (``Metadata.to_file`` would hide the cause)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    data = md.to_bytes(JSONSerializer(compact=False))
-    try:
-        with naming(tmp), open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    write_atomic(path, md.to_bytes(JSONSerializer(compact=False)))
 
 
 def _place(src: Path, tf: TargetFile, targets_dir: Path) -> None:

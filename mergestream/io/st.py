@@ -410,6 +410,22 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
         _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
+def write_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` complete or not at all: a hidden temp file beside it, fsynced,
+    renamed over ``path``. An OSError (a full disk) names the file and leaves no temp file."""
+    p = Path(path)
+    tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
+    try:
+        with naming(tmp), open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def fsync_dir(path: str | os.PathLike) -> None:
     """fsync a directory so that renames inside it are durable."""
     fd = os.open(path, os.O_RDONLY)
