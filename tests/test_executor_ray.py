@@ -1,11 +1,16 @@
-"""The Ray executor (issue 15 part 2): a fold on a local Ray cluster (started here, ``num_cpus=2``)
-writes the bytes the local executor writes, for every registered policy; a worker killed mid-fold is
-retried; a fold whose task keeps failing leaves no output and an unchanged state folder."""
+"""The Ray executor (issues 15 and 37): folds on a Ray cluster of two nodes started here (Ray's own
+multi-node test cluster on one machine: separate raylets and object stores, bound to 127.0.0.1)
+write the bytes the local executor writes, for every registered policy; tasks read their inputs and
+write their output themselves (the driver receives metadata only); a worker killed mid-fold is
+retried; a fold whose task keeps failing leaves no output and an unchanged state folder; a dead
+cluster address is refused within its timeout."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
+import time
 from pathlib import Path
 
 import numpy as np
@@ -13,10 +18,12 @@ import pytest
 import torch
 
 ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
 
 from mergestream import engine  # noqa: E402
 from mergestream.engine import ExecOptions, LocalExecutor  # noqa: E402
 from mergestream.engine.executors import make_executor  # noqa: E402
+from mergestream.io.checkpoints import open_safetensors_file  # noqa: E402
 from mergestream.io.state import StateDir  # noqa: E402
 
 from .conftest import perturb, random_model, save_tensors  # noqa: E402
@@ -24,17 +31,28 @@ from .test_unmerge_policies import IDS, POLICIES  # noqa: E402
 
 #: small tasks, so that every fold here runs as several Ray tasks
 GROUP = 6 * 1024
+LOOPBACK = "127.0.0.1"
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    """One local Ray instance for the module (its start is paid once): loopback only, without Ray's
-    token authentication (so that the daemon subprocess can join it), never a stale ``ray start``."""
+    """Two Ray nodes for the module (their start is paid once), each with its own raylet and object
+    store, on the loopback only, without Ray's token authentication (so that the daemon subprocess
+    can join it); the tasks land on both."""
+    from mergestream.engine.executors.ray_cluster import loopback_only
+
     mp = pytest.MonkeyPatch()
     mp.setenv("RAY_AUTH_MODE", "disabled")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
+    loopback_only()
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    c.add_node(num_cpus=1)
+    assert c.address.startswith(f"{LOOPBACK}:"), c.address
+    ray.init(address=c.address, log_to_driver=False, include_dashboard=False)
+    nodes = [n for n in ray.nodes() if n["Alive"]]
+    assert len(nodes) == 2 and {n["NodeManagerAddress"] for n in nodes} == {LOOPBACK}
+    yield c
     ray.shutdown()
+    c.shutdown()
     mp.undo()
 
 
@@ -51,22 +69,35 @@ def _files(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def _state_bytes(state: Path) -> dict[str, bytes]:
-    """The state's data files by role (their names are random): the per-tensor state and each residual."""
+def _content(path: Path) -> dict[str, object]:
+    """A state or residual file's content: its metadata and every key's dtype, shape and bytes (a remote
+    fold writes it as a pieces folder, the local one as one file)."""
+    ck = open_safetensors_file(path)
+    try:
+        return {"__metadata__": ck.metadata(),
+                **{k: (str(ck.meta(k).dtype), ck.meta(k).shape, ck.get(k).view(-1).view(torch.uint8).numpy().tobytes())
+                   for k in ck.keys()}}
+    finally:
+        ck.close()
+
+
+def _state_bytes(state: Path) -> dict[str, object]:
+    """The state's data by role (their names are random): the per-tensor state and each residual."""
     man = StateDir(state).manifest
-    out = {"state": (state / man.state_file).read_bytes() if man.state_file else b""}
+    out: dict[str, object] = {"state": _content(state / man.state_file) if man.state_file else None}
     for f in man.folds:
-        out[f"contrib-{f.id}"] = (state / f.contribution).read_bytes() if f.contribution else b""
-        out[f"sha-{f.id}"] = f.sha256.encode()
+        out[f"contrib-{f.id}"] = _content(state / f.contribution) if f.contribution else None
+        out[f"sha-{f.id}"] = (f.sha256, f.sha256_kind)
     return out
 
 
 def _chain(tmp: Path, tag: str, bpath, experts, policy, params, executor=None, **kw):
     state, backbone = tmp / f"{tag}-state", None
+    opts = kw.pop("opts", {})
     for i, e in enumerate(experts):
         out = tmp / f"{tag}-{i}"
         engine.fold(bpath, backbone, e, policy, params, state_dir=state, out=out, expert_id=f"e{i}",
-                    options=ExecOptions(threads=1, executor=executor or LocalExecutor()), **kw)
+                    options=ExecOptions(threads=1, executor=executor or LocalExecutor(), **opts), **kw)
         backbone = out
     return backbone, state
 
@@ -80,6 +111,8 @@ def test_ray_fold_equals_local_fold_byte_for_byte(cluster, models, tmp_path, pol
     assert len(ex.tasks) > 1, "the fold should have been split into several tasks"
     assert _files(out_r) == _files(out_l)
     assert _state_bytes(st_r) == _state_bytes(st_l)
+    model_bytes = sum(len(b) for b in _files(out_l).values())
+    assert 0 < ex.received_bytes < model_bytes / 5, "tensor bytes travelled to the driver"
 
 
 def test_ray_cmaes_search_runs_on_the_driver(cluster, models, tmp_path):
@@ -203,7 +236,104 @@ def test_daemon_folds_on_the_cluster_its_config_names(cluster, tmp_path):
     finally:
         assert d.stop() == 0
     assert "ray fold tasks=" in d.log.read_text(), "the daemon did not fold on Ray"
+    assert "received_bytes=" in d.log.read_text()
     out, _ = _chain(tmp_path, "local", tmp_path / "base.safetensors", src, "task_arithmetic", {"lambda": 0.3})
     got, want = read_state_dict(tmp_path / "state" / "current" / "model"), read_state_dict(out)
     assert got.keys() == want.keys()
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.fixture(scope="module")
+def tied_models(tmp_path_factory):
+    """A base whose LM head is tied to its embeddings, and two experts that keep the tie."""
+    tmp = tmp_path_factory.mktemp("ray-tied")
+    base = random_model(3, torch.bfloat16)
+    base["lm_head.weight"] = base["embed.word_embeddings.weight"].clone()
+    bpath = save_tensors(tmp / "base.safetensors", base)
+    experts = []
+    for i, c in enumerate("AB"):
+        e = perturb(base, 0.05, 20 + i)
+        e["lm_head.weight"] = e["embed.word_embeddings.weight"].clone()
+        experts.append(save_tensors(tmp / f"{c}.safetensors", e))
+    return bpath, experts
+
+
+@pytest.mark.parametrize(("policy", "params"), [("ties", {"k": 30}), ("safe_merge", POLICIES[3][1])],
+                         ids=["ties", "safe_merge"])
+def test_tasks_write_into_many_shards_with_tied_tensors(cluster, tied_models, tmp_path, policy, params):
+    """A sharded output (a shard every ~2 KiB) whose tied LM head sits in another shard than its
+    embeddings: every task writes its byte ranges into whichever shard the plan says; same bytes,
+    same content hash as the local fold (the alias's digest is its primary's)."""
+    bpath, experts = tied_models
+    opts = {"max_shard_bytes": 2048}
+    out_l, st_l = _chain(tmp_path, "local", bpath, experts, policy, params, opts=dict(opts))
+    ex = make_executor("ray", group_bytes=GROUP)
+    out_r, st_r = _chain(tmp_path, "ray", bpath, experts, policy, params, executor=ex, opts=dict(opts))
+    assert len([p for p in out_l.iterdir() if p.suffix == ".safetensors"]) > 3
+    assert _files(out_r) == _files(out_l)
+    assert _state_bytes(st_r) == _state_bytes(st_l)
+
+
+def test_tasks_run_on_both_nodes(cluster, models, tmp_path):
+    """The tasks of one fold are spread over the cluster's two nodes (each its own raylet and object
+    store): what the output needs travels through the shared folder, not through the driver."""
+    bpath, experts = models
+    seen = tmp_path / "nodes"
+    seen.mkdir()
+
+    def record_node(names):  # runs in the worker
+        node = ray.get_runtime_context().get_node_id()
+        (seen / f"{node}-{os.getpid()}").touch()
+        time.sleep(0.2)  # long enough that one node does not take every task alone
+
+    ex = make_executor("ray", group_bytes=GROUP // 2, task_hook=record_node)
+    out_l, _ = _chain(tmp_path, "local", bpath, experts[:1], "task_arithmetic", {"lambda": 0.7})
+    out_r, _ = _chain(tmp_path, "ray", bpath, experts[:1], "task_arithmetic", {"lambda": 0.7}, executor=ex)
+    assert _files(out_r) == _files(out_l)
+    nodes = {p.name.split("-")[0] for p in seen.iterdir()}
+    assert nodes == {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+
+
+def _dead_address() -> str:
+    with socket.socket() as s:  # a port nobody listens on (bound, then closed)
+        s.bind((LOOPBACK, 0))
+        return f"{LOOPBACK}:{s.getsockname()[1]}"
+
+
+def test_a_dead_cluster_address_is_refused_within_the_timeout(tmp_path, models):
+    """`fold --executor ray --ray-address <dead>`: one line naming the address and how to choose
+    another, exit 2, in seconds (Ray itself would retry for minutes)."""
+    from .conftest import run_cli
+
+    bpath, experts = models
+    addr = _dead_address()
+    t0 = time.monotonic()
+    r = run_cli("fold", "--base", str(bpath), "--expert", str(experts[0]), "--policy", "ties", "--state",
+                str(tmp_path / "s"), "--out", str(tmp_path / "o"), "--executor", "ray", "--ray-address", addr,
+                "-q", check=False)
+    took = time.monotonic() - t0
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and addr in lines[0] and "--ray-address" in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+    assert took < 60
+    assert not (tmp_path / "o").exists() and not (tmp_path / "s").exists()
+
+
+def test_a_remembered_dead_cluster_is_refused(tmp_path, monkeypatch):
+    """`auto` reads the address Ray's pointer file remembers; a stale one (a cluster of an earlier
+    session) is refused by name, not waited for."""
+    from mergestream.engine.executors import ray_cluster
+
+    pointer = tmp_path / "ray_current_cluster"
+    addr = _dead_address()
+    pointer.write_text(addr)
+    monkeypatch.setattr(ray_cluster, "POINTER_FILE", pointer)
+    assert ray_cluster.resolve_address("auto") == addr
+    with pytest.raises(ray_cluster.ClusterUnreachableError, match=addr.replace(".", r"\.")):
+        ray_cluster.check_reachable(addr, timeout=2)
+    pointer.unlink()
+    with pytest.raises(ray_cluster.ClusterUnreachableError, match="no Ray cluster was started"):
+        ray_cluster.resolve_address("auto")
+    monkeypatch.setenv("RAY_ADDRESS", addr)
+    assert ray_cluster.resolve_address(None) == addr

@@ -34,7 +34,7 @@ from tuf.ngclient import Updater
 from ..feed.layout import LATEST, custom_of
 from ..feed.plan import NoPathError, Plan, Target, shortest
 from ..io.paths import confined, relative_name
-from ..patches import PatchError, apply_patch, weights_sha256
+from ..patches import PatchError, apply_patch, weights_match, weights_sha256
 from .errors import (
     DownloadFailed,
     HealthCheckFailed,
@@ -152,7 +152,7 @@ def _check(cmd: str, slot_dir: Path) -> None:
 def _damaged(slot_dir: Path, sha: str) -> bool:
     """True when the slot's files no longer hash to ``sha`` (a patch chain cannot start from it)."""
     try:
-        return weights_sha256(slot_dir) != sha
+        return not weights_match(slot_dir, sha)
     except PatchError:
         return True
 
@@ -219,16 +219,15 @@ def _pull(dev: Device, feed: str, root_file: str | None, check: str | None, star
         dev.clear_slot(new)
         _apply(dev, plan, files, cur, new)
         crashpoint("verify")
-        got = weights_sha256(dev.slot_dir(new))
-        if got != sha:
+        if not weights_match(dev.slot_dir(new), sha):
+            got = weights_sha256(dev.slot_dir(new))
             shutil.rmtree(dev.slot_dir(new), ignore_errors=True)
             raise TargetRefused(f"the installed model hashes to {got}, the signed latest version {version} is {sha}")
         dev.mark_slot(new, version, sha)
         shutil.rmtree(dev.work, ignore_errors=True)
         common |= {"plan": plan.describe(), "bytes_downloaded": moved}
     else:
-        got = weights_sha256(dev.slot_dir(new))  # built by a run that stopped before the switch
-        if got != sha:
+        if not weights_match(dev.slot_dir(new), sha):  # built by a run that stopped before the switch
             dev.clear_slot(new)
             raise TargetRefused(f"slot {new} no longer hashes to version {version}; cleared for the next run")
         common |= {"plan": "resumed: the new slot was already complete", "bytes_downloaded": 0}

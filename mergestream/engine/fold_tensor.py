@@ -3,8 +3,8 @@
 The per-tensor map of :func:`mergestream.engine.folding.fold`, in one place for both executors: the local
 one calls a :class:`TensorFolder` from its worker threads with the real writers; the Ray executor
 (:mod:`mergestream.engine.executors`) rebuilds the same :class:`TensorFolder` in a task from a picklable
-:class:`FoldSpec` (paths on storage every worker reaches) and hands it recording writers whose
-calls the driver replays onto the real ones. Same code, same inputs, same bytes.
+:class:`FoldSpec` (paths on storage every worker reaches) and hands it writers onto that storage
+(:mod:`mergestream.engine.executors.parts`). Same code, same inputs, same bytes.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..io.checkpoints import Checkpoint, check_finite_tensor, is_embedding_name, open_checkpoint
+from ..io.checkpoints import Checkpoint, check_finite_tensor, is_embedding_name, is_float_dtype, open_checkpoint
 from ..io.expert_readers import DenseExpert, open_expert
 from ..io.state import SEP, StateDir
 from ..policies import Policy, TensorContext
@@ -171,6 +171,8 @@ class FoldSpec:
     prev_coeffs: tuple
     device: str
     torch_threads: int
+    #: experts the pass reads (their per-tensor digests come back from the tasks)
+    expert_count: int = 1
 
     def open(self) -> tuple[TensorFolder, Callable[[], None]]:
         """The :class:`TensorFolder` on freshly opened inputs, and a function that closes them."""
@@ -247,6 +249,11 @@ class MergeSpec:
     device: str
     torch_threads: int
 
+    @property
+    def expert_count(self) -> int:
+        """Experts the pass reads."""
+        return len(self.experts)
+
     def open(self) -> tuple[TensorMerger, Callable[[], None]]:
         """The :class:`TensorMerger` on freshly opened inputs, and a function that closes them."""
         base_ck = open_checkpoint(self.base)
@@ -264,7 +271,14 @@ class MergeSpec:
         return [("float", e.ckpt.get(name) if isinstance(e, DenseExpert) else None) for e in merger.exps]
 
 
-def runs_on_driver(item: Any) -> bool:
-    """Whether a loaded item is a frozen (integer/bool) tensor the driver copies itself."""
-    first = item[0] if isinstance(item, list) else item
-    return first[0] == "frozen"
+def placement(base_ck: Checkpoint, aliases: dict[str, str]) -> Callable[[str], str]:
+    """Where a remote executor runs each tensor (:attr:`~mergestream.engine.executors.TensorMap.placement`):
+    a tied alias is ``skip`` (written with its primary), a frozen (integer/bool) tensor ``driver``
+    (copied from θ₀ there, after the frozen check), a float tensor ``remote``."""
+
+    def place(name: str) -> str:
+        if name in aliases:
+            return "skip"
+        return "remote" if is_float_dtype(base_ck.meta(name).dtype) else "driver"
+
+    return place

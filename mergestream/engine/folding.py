@@ -38,14 +38,16 @@ from ..io.checkpoints import (
 )
 from ..io.expert_readers import DenseExpert, open_expert
 from ..io.s3_checkpoint import is_s3_uri
-from ..io.state import SEP, FoldRecord, Manifest, StateDir, final_name
+from ..io.st import weights_hash_kind
+from ..io.state import SEP, FoldRecord, Manifest, StateDir, final_name, remove_file
 from ..io.writers import AppendWriter, ModelWriter, staged_output
 from ..policies import Policy, cmaes_coefficients, make_policy, stability_penalty
 from . import residuals
 from ._alloc import pin_mmap_threshold
 from .coefficients import LayerObjective, learn_layer_coefficients, write_learned_state
 from .executors import TensorMap
-from .fold_tensor import FoldSinks, FoldSpec, MergeSpec, TensorFolder, TensorMerger
+from .executors.parts import PartsPlan
+from .fold_tensor import FoldSinks, FoldSpec, MergeSpec, TensorFolder, TensorMerger, placement
 from .inspection import resolve_device
 from .options import DEFAULT_OPTIONS, ExecOptions
 from .passes import (
@@ -166,12 +168,16 @@ def _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, 
     store_contrib = not pol.contributions_in_state
     lin = pol.linear_scale() if loader.dense else None
     stats = Stats()
-    state_path = sd.new_file("state")
-    contrib_path = sd.new_file("contrib", eid) if store_contrib else None
+    # a remote executor's tasks write the state and the residual as pieces of their own (no tensor
+    # passes through this process); the local one appends to one file each
+    remote = opts.executor.remote
+    new_state = sd.new_pieces if remote else sd.new_file
+    state_path = new_state("state")
+    contrib_path = new_state("contrib", eid) if store_contrib else None
     new_files: list[Path] = [state_path] + ([contrib_path] if contrib_path else [])
-    state_writer = AppendWriter(state_path, header_bytes=residuals.header_room(metas, 4))
+    state_writer = None if remote else AppendWriter(state_path, header_bytes=residuals.header_room(metas, 4))
     contrib = residuals.ResidualWriter(contrib_path, metas, eid, recompute_lambda=lin,
-                                       expert_path=_abs(expert)) if store_contrib else None
+                                       expert_path=_abs(expert)) if store_contrib and not remote else None
     bar = Progress(sum(m.nbytes for m in metas), len(metas), f"fold {eid}", opts.progress)
     try:
         with staged_output(out, overwrite=opts.overwrite) as stage:
@@ -195,18 +201,27 @@ def _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, 
                     spec = FoldSpec(pol, _abs(base), None if first else _abs(cur.path), _abs(expert),
                                     _abs(sd.path), aliases, loader.where, n_prev, prev_coeffs, str(dev),
                                     torch.get_num_threads())
-                    tasks = opts.executor.map(TensorMap(
+                    parts = PartsPlan(writer.plan(), str(state_path), str(contrib_path) if contrib_path else None,
+                                      eid, lin, _abs(expert)) if remote else None
+                    job = TensorMap(
                         loader.names, loader.load, work, sinks, spec, base_ck, threads=worker_threads(opts.threads),
                         prefetch=1, release=loader.release, budget=None if lin is not None else largest(metas),
-                        progress=bar, hook=tensor_hook))
-                sha = exp.sha256() if not loader.dense else loader.reader.sha256()
-                if expect_sha256 is not None and sha != expect_sha256:
+                        progress=bar, hook=tensor_hook, placement=placement(base_ck, aliases) if remote else None,
+                        parts=parts)
+                    tasks = opts.executor.map(job)
+                if not loader.dense:
+                    sha = exp.sha256()
+                else:
+                    sha = loader.sha256_from(job.digests[0]) if remote else loader.reader.sha256()
+                if expect_sha256 is not None and sha != expect_sha256 and exp.sha256(1) != expect_sha256:
+                    # (a record written before weights hash version 2 is checked against version 1)
                     raise CorruptCheckpointError(
                         f"expert {exp.path} changed since it was registered: content hash {sha}, expected "
                         f"{expect_sha256}; nothing was folded")
                 records = [{"id": f.id, "sha256": f.sha256} for f in man.folds] + [{"id": eid, "sha256": sha}]
                 writer.set_metadata(provenance(pol, records, base_ck))
-                state_writer.close()
+                if state_writer is not None:
+                    state_writer.close()
                 coeffs = list(prev_coeffs) + [coeff] if coeff is not None else None
                 found = None
                 record = pol.describe()
@@ -216,7 +231,7 @@ def _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, 
                     profile, found = learn_layer_coefficients(pol, base_ck, _state_reader(state_path), objective, dev)
                     write_learned_state(base_ck, _state_reader(state_path), profile, learned)
                     new_files.remove(state_path)
-                    state_path.unlink()
+                    remove_file(state_path)
                     state_path = learned
                     coeffs = list(prev_coeffs) + [float(np.mean(profile))]
                     record = {**record, "layer_alphas": profile}
@@ -230,11 +245,12 @@ def _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, 
                 writer.abort()
                 raise
     except BaseException:
-        state_writer.abort()
+        if state_writer is not None:
+            state_writer.abort()
         if contrib is not None:
             contrib.abort()
         for f in new_files:
-            f.unlink(missing_ok=True)
+            remove_file(f)
         for folder in (sd.path / "contrib", sd.path):  # a failed first fold leaves no state folder
             with contextlib.suppress(OSError):
                 folder.rmdir()  # only if empty
@@ -244,7 +260,7 @@ def _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, 
     fold_rec = FoldRecord(id=eid, expert=_abs(expert), sha256=sha, params=record,
                           coefficient=coeffs[-1] if coeffs else None,
                           contribution=final_name(contrib_path, sd.path) if store_contrib else None,
-                          exact_restore=store_contrib, sha256_kind="weights")
+                          exact_restore=store_contrib, sha256_kind=weights_hash_kind())
     folds = list(man.folds)
     if coeffs:
         for f, c in zip(folds, coeffs):
@@ -406,10 +422,14 @@ def merge(base: str | os.PathLike, experts: list[str | os.PathLike], policy: str
                 with shared_cores(worker_threads(opts.threads), dev):
                     spec = MergeSpec(pol, _abs(base), [_abs(e) for e in experts], [ld.where for ld in loaders],
                                      aliases, str(dev), torch.get_num_threads())
-                    opts.executor.map(TensorMap(canonical_order(base_ck), load, work, sinks, spec, base_ck,
-                                                threads=worker_threads(opts.threads), prefetch=0,
-                                                budget=largest(metas), progress=bar))
-                shas = [ld.reader.sha256() if ld.dense else e.sha256() for ld, e in zip(loaders, exps)]
+                    remote = opts.executor.remote
+                    job = TensorMap(canonical_order(base_ck), load, work, sinks, spec, base_ck,
+                                    threads=worker_threads(opts.threads), prefetch=0, budget=largest(metas),
+                                    progress=bar, placement=placement(base_ck, aliases) if remote else None,
+                                    parts=PartsPlan(writer.plan()) if remote else None)
+                    opts.executor.map(job)
+                shas = [(ld.sha256_from(job.digests[i]) if remote else ld.reader.sha256()) if ld.dense else e.sha256()
+                        for i, (ld, e) in enumerate(zip(loaders, exps))]
                 records = [{"id": default_expert_id(p), "sha256": s} for p, s in zip(experts, shas)]
                 writer.set_metadata(provenance(pol, records, base_ck))
                 finish_model(writer, base_ck, stage, untied=aliases != ties)

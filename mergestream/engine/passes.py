@@ -32,7 +32,7 @@ from ..io.checkpoints import (
     validate_against_base,
 )
 from ..io.expert_readers import DenseExpert
-from ..io.st import load_json, name_order
+from ..io.st import WeightsHash, load_json, name_order
 from ..io.writers import ModelWriter, copy_aux_files, staged_output
 from ..policies import Policy, make_policy
 from .stream import ExpertReader, default_threads, run_stream
@@ -285,6 +285,25 @@ class ExpertLoader:
     def _drop(self, e) -> None:
         if e is not None:
             self.reader.release(e)
+
+    def sha256_from(self, digests: dict[str, bytes]) -> str:
+        """The expert's content hash (weights hash version 2) from per-tensor digests computed where
+        the tensors were read (a remote executor's tasks). Tensors no task read are digested here:
+        a tied alias takes its primary's digest (:func:`kept_ties` checked the expert holds the
+        same bytes under both names), frozen tensors and dropped buffers are read (small)."""
+        if not self.reader.ckpt.raw:  # a legacy pickle's hash is its file's, computed at open
+            return self.reader.sha256()
+        ck = self.reader.ckpt
+        names = name_order(ck.keys())
+        h = WeightsHash(len(names))
+        for name in names:
+            d = digests.get(name)
+            if d is None and name in self.aliases:
+                d = digests.get(self.aliases[name])
+            if d is None:
+                d = ck.digest(name)
+            h.add_digest(ck.entry(name), d)
+        return h.hexdigest()
 
     def release(self, item) -> None:
         """Hand a job's expert buffer back to the reader's pool."""

@@ -20,6 +20,7 @@ from ..errors import CorruptCheckpointError, MergestreamError, StateError
 from ..io.checkpoints import is_float_dtype, validate_against_base
 from ..io.expert_readers import DenseExpert, open_expert
 from ..io.s3_checkpoint import is_s3_path
+from ..io.st import WEIGHTS_HASH_VERSION, weights_hash_version
 from ..io.state import SEP, Manifest, StateDir, final_name
 from ..io.writers import AppendWriter, ModelWriter, staged_output
 from ..policies import make_policy
@@ -255,8 +256,11 @@ def _open_kept_expert(rec, base_ck, aliases: dict[str, str], threads):
 def _check_kept_expert(rec, loader: ExpertLoader) -> None:
     """Raise CorruptCheckpointError (before anything is published) if the expert read for the
     subtract is not the one folded: its content hash, computed on the same pass."""
-    sha = loader.reader.sha256()
-    if rec.sha256_kind == "weights" and sha != rec.sha256:
+    version = weights_hash_version(rec.sha256_kind)
+    if version is None:  # a state written before the weights hash: nothing to compare with
+        return
+    sha = loader.reader.sha256() if version == WEIGHTS_HASH_VERSION else loader.reader.ckpt.sha256(version)
+    if sha != rec.sha256:
         raise CorruptCheckpointError(
             f"expert {rec.id!r} at {rec.expert} changed since it was folded (content hash {sha}, expected "
             f"{rec.sha256}); subtract recomputes λ·τ from it, so nothing was removed: restore the file or "
@@ -281,7 +285,7 @@ def replay(sd: StateDir, k: int, *, out, base, options: ExecOptions) -> FoldRepo
             step_out = Path(out) if i == len(remaining) - 1 else work / f"step-{i}"
             step = dataclasses.replace(options, progress=False, overwrite=options.overwrite and step_out == Path(out))
             report = fold(base, backbone, f.expert, man.policy, params, state_dir=tmp_state, out=step_out,
-                          expert_id=f.id, expect_sha256=f.sha256 if f.sha256_kind == "weights" else None,
+                          expert_id=f.id, expect_sha256=f.sha256 if weights_hash_version(f.sha256_kind) else None,
                           options=step)
             backbone = step_out
         if report is None:  # removing the only expert: the backbone is θ₀ again

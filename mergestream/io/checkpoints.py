@@ -163,7 +163,7 @@ class Checkpoint:
         self.weight_files: list[Path] = sorted(set(found), key=lambda p: p.name)
         self._fds: dict[Path, int] = {}
         self._lock = threading.Lock()
-        self._sha256: str | None = None
+        self._sha256: dict[int, str] = {}
         #: how a legacy file's tensors were found (container, stripped prefix); "" when as saved
         self.unwrapped = ""
 
@@ -274,14 +274,15 @@ class Checkpoint:
             raise UnsupportedCheckpointError(f"{self.path}: a legacy checkpoint has no raw entries")
         return self._entries[name]
 
-    def sha256(self) -> str:
+    def sha256(self, version: int = st.WEIGHTS_HASH_VERSION) -> str:
         """The content hash (cached): the weights hash of :mod:`mergestream.io.st` for safetensors
-        checkpoints; for a legacy pickle, sha256 of its file bytes (see :func:`content_sha256`)."""
-        if self._sha256 is None:
+        checkpoints (``version`` 2, the current definition, or 1 to verify an older record); for a
+        legacy pickle, sha256 of its file bytes whatever the version (see :func:`content_sha256`)."""
+        if version not in self._sha256:
             if self._entries is None:
-                self._sha256 = file_sha256(self.weight_files)
+                self._sha256[version] = file_sha256(self.weight_files)
             else:
-                h = st.WeightsHash(len(self._entries))
+                h = st.WeightsHash(len(self._entries), version)
                 buf = torch.empty(min(_HASH_CHUNK, max((e.nbytes for e in self._entries.values()), default=0)),
                                   dtype=torch.uint8)
                 for name in st.name_order(self._entries):
@@ -290,8 +291,19 @@ class Checkpoint:
                     for off in range(0, e.nbytes, _HASH_CHUNK):
                         n = min(_HASH_CHUNK, e.nbytes - off)
                         h.data(self.read_into(name, buf[:n], off).numpy())
-                self._sha256 = h.hexdigest()
-        return self._sha256
+                self._sha256[version] = h.hexdigest()
+        return self._sha256[version]
+
+    def digest(self, name: str) -> bytes:
+        """sha256 of tensor ``name``'s stored bytes (the per-tensor digest of the weights hash,
+        :func:`mergestream.io.st.tensor_digest`), read in chunks; raw checkpoints only."""
+        e = self.entry(name)
+        h = st.tensor_digest()
+        buf = torch.empty(min(_HASH_CHUNK, e.nbytes), dtype=torch.uint8)
+        for off in range(0, e.nbytes, _HASH_CHUNK):
+            n = min(_HASH_CHUNK, e.nbytes - off)
+            h.update(self.read_into(name, buf[:n], off).numpy())
+        return h.digest()
 
     def aux_files(self) -> list[Path]:
         """Non-weight files of a model folder, subfolders included (:func:`mergestream.io.st.aux_files`);
@@ -358,9 +370,23 @@ def _open_safetensors_files(path: Path, weight_map: dict[str, Path] | None, file
     return Checkpoint(path, metas, entries=entries, metadata=metadata, files=list(files), source=source)
 
 
+#: the files of a pieces folder (:func:`open_safetensors_file`), one per task that wrote it
+PIECE_GLOB = "part-*.safetensors"
+
+
+def piece_name(index: int) -> str:
+    """The file name of piece ``index`` (>= 0) of a pieces folder."""
+    return f"part-{index + 1:05d}.safetensors"
+
+
 def open_safetensors_file(path: str | os.PathLike) -> Checkpoint:
-    """Open one safetensors file whatever its name (e.g. a ``*.tmp`` staged file)."""
+    """Open one safetensors file whatever its name (e.g. a ``*.tmp`` staged file), or a pieces folder:
+    the ``part-NNNNN.safetensors`` files that the tasks of a remote fold wrote for one state or
+    residual file (each holds its tensors and the same ``__metadata__``; a tensor in two pieces is
+    refused as corrupt)."""
     p = Path(path)
+    if p.is_dir():
+        return _open_safetensors_files(p, None, sorted(p.glob(PIECE_GLOB)))
     return _open_safetensors_files(p, None, [p])
 
 

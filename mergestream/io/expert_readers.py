@@ -43,7 +43,7 @@ from .checkpoints import (
     open_safetensors_file,
 )
 from .s3_checkpoint import is_s3_path
-from .st import json_type, load_json
+from .st import WEIGHTS_HASH_VERSION, json_type, load_json, weights_hash_version
 
 
 class Expert(Protocol):
@@ -59,7 +59,7 @@ class Expert(Protocol):
         """τ for ``name`` as float32, given θ₀'s tensor (any dtype, same shape)."""
         ...
 
-    def sha256(self) -> str: ...
+    def sha256(self, version: int = WEIGHTS_HASH_VERSION) -> str: ...
 
     def close(self) -> None: ...
 
@@ -86,8 +86,9 @@ class DenseExpert:
         t = t.float() if t.dtype != torch.float32 else t
         return t.sub_(base.to(t.device, torch.float32))
 
-    def sha256(self) -> str:
-        return self.ckpt.sha256()
+    def sha256(self, version: int = WEIGHTS_HASH_VERSION) -> str:
+        """The content hash (:func:`content_sha256`; ``version`` 1 for an older record)."""
+        return self.ckpt.sha256(version)
 
     def close(self) -> None:
         self.ckpt.close()
@@ -318,8 +319,10 @@ class LoraExpert:
             delta = delta.T.contiguous()
         return delta
 
-    def sha256(self) -> str:
-        """The adapter's content hash (:func:`content_sha256`)."""
+    def sha256(self, version: int = WEIGHTS_HASH_VERSION) -> str:
+        """The adapter's content hash (:func:`content_sha256`; ``version`` 1 for an older record)."""
+        if version != WEIGHTS_HASH_VERSION:
+            return content_sha256(self.path, version=version)
         if self._sha is None:
             self._sha = content_sha256(self.path)
         return self._sha
@@ -386,7 +389,8 @@ def open_expert(path: str | os.PathLike, base: Checkpoint) -> DenseExpert | Lora
     return DenseExpert(open_checkpoint(path, expect_keys=base.keys()))
 
 
-def content_sha256(path: str | os.PathLike, within: str | os.PathLike | None = None) -> str:
+def content_sha256(path: str | os.PathLike, within: str | os.PathLike | None = None,
+                   version: int = WEIGHTS_HASH_VERSION) -> str:
     """The one content hash of an expert (64 hex characters), whatever its form.
 
     - a dense safetensors checkpoint (file, folder, sharded): the weights hash of
@@ -404,7 +408,8 @@ def content_sha256(path: str | os.PathLike, within: str | os.PathLike | None = N
 
     ``within``: where a folder's files may resolve to through symlinks (the daemon passes the inbox
     a folder expert arrived in: the fold reads its kept copy, links resolved, and must get the same
-    hash); default the folder itself.
+    hash); default the folder itself. ``version``: of the weights hash (2, current; 1 to verify a
+    record written before version 2, :func:`hash_matches`).
 
     Raises:
         ObjectGoneError, ObjectChangedError: an expert in object storage was deleted or replaced
@@ -413,7 +418,7 @@ def content_sha256(path: str | os.PathLike, within: str | os.PathLike | None = N
     if is_s3_path(path):
         try:
             with open_checkpoint(path) as ck:
-                return ck.sha256()
+                return ck.sha256(version)
         except (ObjectGoneError, ObjectChangedError):
             raise
         except (CorruptCheckpointError, UnsupportedCheckpointError, MissingShardError):
@@ -425,12 +430,26 @@ def content_sha256(path: str | os.PathLike, within: str | os.PathLike | None = N
         if is_lora_adapter(p):
             cfg = folder_file(p, "adapter_config.json", within).read_bytes()
             weights = p / "adapter_model.safetensors"
-            inner = content_sha256(folder_file(p, weights.name if weights.is_file() else "adapter_model.bin", within))
-            return hashlib.sha256(b"mergestream-adapter-sha256/1\x00" + cfg + bytes.fromhex(inner)).hexdigest()
+            inner = content_sha256(folder_file(p, weights.name if weights.is_file() else "adapter_model.bin", within),
+                                   version=version)
+            tag = f"mergestream-adapter-sha256/{version}\x00".encode()  # the adapter tag follows the weights hash's
+            return hashlib.sha256(tag + cfg + bytes.fromhex(inner)).hexdigest()
         with open_checkpoint(p, within=within) as ck:
-            return ck.sha256()
+            return ck.sha256(version)
     except (CorruptCheckpointError, UnsupportedCheckpointError, MissingShardError, OutsideRootError,
             FileNotFoundError, OSError):
         pass
     files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file() and f.name != "READY")
     return file_sha256(files)
+
+
+def hash_matches(path: str | os.PathLike, sha: str, within: str | os.PathLike | None = None,
+                 kind: str | None = None) -> bool:
+    """Whether the expert at ``path`` still has the content hash a record holds: of the version the
+    record's ``kind`` names (``FoldRecord.sha256_kind``), or, for a record that names none (the
+    ledger), of the current version and else of version 1 (a record written before version 2:
+    read a second time, only then). Raises as :func:`content_sha256`."""
+    version = weights_hash_version(kind)
+    if version is not None:
+        return content_sha256(path, within, version) == sha
+    return content_sha256(path, within) == sha or content_sha256(path, within, 1) == sha

@@ -6,19 +6,27 @@ anything that checks a file's completeness. Standard library only. It is also th
 :func:`load_json`, the way every part of the package parses JSON that came from outside (headers,
 indexes, configs, payloads, state files read back).
 
-Weights hash (:class:`WeightsHash`)
-    The content hash of a model: sha256 of its canonical content, independent of sharding, tensor
-    order in the files, header formatting and ``__metadata__``::
+Weights hash (:class:`WeightsHash`), version 2 (the current definition)
+    The content hash of a model: sha256 over the ordered list of per-tensor digests, independent
+    of sharding, tensor order in the files, header formatting and ``__metadata__``::
 
-        "mergestream-weights-sha256/1\\0" || u64(count)
+        "mergestream-weights-sha256/2\\0" || u64(count)
         for each tensor, in ascending order of the UTF-8 bytes of its name:
             u64(len(name)) || name (UTF-8) || u64(len(dtype)) || dtype (ASCII safetensors code:
-            "F32", "BF16", ...) || u64(ndim) || u64(dim)... || u64(nbytes) || data (as stored:
-            little-endian, C order)
+            "F32", "BF16", ...) || u64(ndim) || u64(dim)... || u64(nbytes) || sha256(data) (32 bytes;
+            data as stored: little-endian, C order)
 
     ``u64`` is an unsigned 64-bit little-endian integer. Two models hash equal iff they hold the
-    same tensor names with the same dtypes, shapes and bytes. It is the one content hash of the
-    project: the ledger, the state manifest, the output metadata and the patches all use it.
+    same tensor names with the same dtypes, shapes and bytes. Each tensor's digest depends on its
+    bytes alone, so digests are computed wherever the bytes are read (a Ray task, a thread) and
+    combined in name order by whoever knows the frames (:meth:`WeightsHash.add_digest`). It is the
+    one content hash of the project: the ledger, the state manifest, the output metadata, the
+    patches and the feed all use it.
+
+    Version 1 (records written before 2026-12-06) fed the data itself into the one stream instead
+    of its digest (tag ``"mergestream-weights-sha256/1\\0"``). Such records stay verifiable:
+    :class:`WeightsHash` computes version 1 with ``version=1``, and every place that checks a
+    stored hash accepts a version-1 match (:func:`weights_hash_kind` names the versions).
 """
 
 from __future__ import annotations
@@ -38,7 +46,10 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
-WEIGHTS_HASH_TAG = b"mergestream-weights-sha256/1\x00"
+WEIGHTS_HASH_TAGS = {1: b"mergestream-weights-sha256/1\x00", 2: b"mergestream-weights-sha256/2\x00"}
+#: the current version of the weights hash (see the module docstring)
+WEIGHTS_HASH_VERSION = 2
+WEIGHTS_HASH_TAG = WEIGHTS_HASH_TAGS[WEIGHTS_HASH_VERSION]
 _MAX_HEADER = 100 * 1024 * 1024  # the safetensors format's own limit
 
 
@@ -305,32 +316,51 @@ def name_order(names) -> list[str]:
 
 
 class WeightsHash:
-    """Incremental weights hash (see the module docstring): feed every tensor once, in name order.
+    """Incremental weights hash (see the module docstring): feed every tensor once, in name order,
+    either as bytes (:meth:`begin` then :meth:`data`) or as a digest computed elsewhere
+    (:meth:`add_digest`, version 2 only).
 
     Args:
         count: the number of tensors the model holds.
+        version: 2 (the current definition) or 1 (to verify records written before it).
 
     Raises:
-        FormatError: from :meth:`update` when tensors arrive out of canonical order, and from
-            :meth:`hexdigest` when fewer than ``count`` tensors were fed.
+        FormatError: from :meth:`begin` / :meth:`add_digest` when tensors arrive out of canonical
+            order, from :meth:`data` past a tensor's size, and from :meth:`hexdigest` when fewer
+            than ``count`` tensors were fed completely.
     """
 
-    def __init__(self, count: int):
-        self._h = hashlib.sha256(WEIGHTS_HASH_TAG + u64le(count))
+    def __init__(self, count: int, version: int = WEIGHTS_HASH_VERSION):
+        if version not in WEIGHTS_HASH_TAGS:
+            raise FormatError(f"weights hash: unknown version {version}")
+        self.version = version
+        self._h = hashlib.sha256(WEIGHTS_HASH_TAGS[version] + u64le(count))
         self._count = count
         self._seen = 0
         self._last: bytes | None = None
         self._open: int = 0  # bytes still expected for the current tensor
+        self._inner = None  # version 2: the current tensor's data digest
 
-    def begin(self, entry: TensorEntry) -> None:
-        """Start tensor ``entry`` (its frame: name, dtype, shape, nbytes)."""
-        key = entry.name.encode("utf-8")
+    def _next(self, name: str) -> None:
+        key = name.encode("utf-8")
         if self._open or (self._last is not None and key <= self._last):
-            raise FormatError(f"weights hash: tensor {entry.name!r} out of order or previous tensor incomplete")
+            raise FormatError(f"weights hash: tensor {name!r} out of order or previous tensor incomplete")
         self._last = key
         self._seen += 1
+
+    def _end(self) -> None:
+        if self._inner is not None and not self._open:
+            self._h.update(self._inner.digest())
+            self._inner = None
+
+    def begin(self, entry: TensorEntry) -> None:
+        """Start tensor ``entry`` (its frame: name, dtype, shape, nbytes); its data follows."""
+        self._next(entry.name)
         self._open = entry.nbytes
         self._h.update(entry.frame())
+        if self.version >= 2:
+            self._inner = hashlib.sha256()
+            self._end()  # an empty tensor is complete at once
 
     def data(self, chunk) -> None:
         """Feed the next bytes of the current tensor's data (any buffer; large ones release the GIL)."""
@@ -338,13 +368,50 @@ class WeightsHash:
         if n > self._open:
             raise FormatError("weights hash: more data than the tensor's size")
         self._open -= n
-        self._h.update(chunk)
+        if self._inner is not None:
+            self._inner.update(chunk)
+            self._end()
+        else:
+            self._h.update(chunk)
+
+    def add_digest(self, entry: TensorEntry, digest: bytes) -> None:
+        """Feed tensor ``entry`` by its data digest (32 bytes: :func:`tensor_digest` of its bytes,
+        computed where they were read). Version 2 only."""
+        if self.version < 2:
+            raise FormatError("weights hash: version 1 has no per-tensor digests")
+        if len(digest) != 32:
+            raise FormatError(f"weights hash: a tensor digest is 32 bytes, got {len(digest)}")
+        self._next(entry.name)
+        self._h.update(entry.frame())
+        self._h.update(digest)
 
     def hexdigest(self) -> str:
         """The hash (64 hex characters) once every tensor was fed completely."""
         if self._seen != self._count or self._open:
             raise FormatError(f"weights hash: {self._seen} of {self._count} tensors fed")
         return self._h.hexdigest()
+
+
+def tensor_digest() -> Any:
+    """A fresh per-tensor data digest of the weights hash (version 2): a ``hashlib`` sha256 object to
+    ``update`` with the tensor's bytes as stored, whose ``digest()`` goes to
+    :meth:`WeightsHash.add_digest`."""
+    return hashlib.sha256()
+
+
+def weights_hash_kind(version: int = WEIGHTS_HASH_VERSION) -> str:
+    """The name a record gives the weights hash it holds (``FoldRecord.sha256_kind``, patch metadata):
+    ``"weights"`` for version 1 (the name records had before version 2), ``"weights2"`` for 2."""
+    return "weights" if version == 1 else f"weights{version}"
+
+
+def weights_hash_version(kind: str | None) -> int | None:
+    """The version a record's hash kind names (:func:`weights_hash_kind`); None for another kind
+    (``"files"``: legacy file bytes) or none."""
+    for v in WEIGHTS_HASH_TAGS:
+        if kind == weights_hash_kind(v):
+            return v
+    return None
 
 
 @contextlib.contextmanager

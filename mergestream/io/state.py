@@ -8,6 +8,10 @@ Layout of a state folder::
     contrib/<id>-<gen>.safetensors    each fold's applied residual (for subtract-unmerge; see
                                       mergestream.engine.residuals)
 
+A fold run by a remote executor writes each of these two as a pieces folder of the same name
+(``part-NNNNN.safetensors``, one per task, :func:`mergestream.io.checkpoints.open_safetensors_file`),
+so that no task's bytes pass through the driver; readers see the same keys and bytes.
+
 Files are written under new names and the manifest is replaced atomically last (write to a
 temporary file, fsync, ``os.replace``), so a crash leaves the previous manifest and files intact;
 unreferenced files are garbage-collected at the next commit.
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -26,7 +31,7 @@ from typing import Any
 import torch
 
 from ..errors import StateError
-from .checkpoints import Checkpoint, open_checkpoint
+from .checkpoints import Checkpoint, open_safetensors_file
 from .st import fsync_dir, load_json, naming
 
 MANIFEST = "manifest.json"
@@ -38,9 +43,10 @@ class FoldRecord:
     """One accepted fold as the state remembers it.
 
     Attributes:
-        sha256: the expert's content hash; ``sha256_kind`` says which definition: ``"weights"``
-            (:func:`mergestream.io.expert_readers.content_sha256`, the one definition) or ``"files"``
-            (states written before it: the weight files' bytes).
+        sha256: the expert's content hash; ``sha256_kind`` says which definition: ``"weights2"``
+            (:func:`mergestream.io.expert_readers.content_sha256`, the one definition, weights hash
+            version 2), ``"weights"`` (weights hash version 1: states written before 2026-12-06,
+            still verified) or ``"files"`` (older states: the weight files' bytes).
         contribution: the residual file subtract-unmerge uses (:mod:`mergestream.engine.residuals`).
         exact_restore: the current backbone is still exactly this fold's output, so subtracting
             it restores the previous backbone byte for byte (cleared when an earlier fold is
@@ -113,7 +119,7 @@ class StateDir:
             p = self.path / self.manifest.state_file
             if not p.exists():
                 raise StateError(f"{p}: state file named in the manifest is missing")
-            self._state = open_checkpoint(p)
+            self._state = open_safetensors_file(p)  # a file, or a remote fold's pieces folder
             for key in self._state.keys():
                 tensor, _, fld = key.rpartition(SEP)
                 self._fields.setdefault(tensor, []).append(fld)
@@ -133,6 +139,12 @@ class StateDir:
         (self.path / "contrib").mkdir(parents=True, exist_ok=True)
         return self.path / "contrib" / f"{expert_id}-{gen}.safetensors.tmp"
 
+    def new_pieces(self, kind: str, expert_id: str | None = None) -> Path:
+        """A fresh pieces folder (created) for a state or contribution written by a remote fold's tasks,
+        one ``part-NNNNN.safetensors`` each (see the module docstring); committed like a file."""
+        p = self.new_file(kind, expert_id)
+        p.mkdir()
+        return p
     def commit(self, manifest: Manifest, new_files: list[Path]) -> None:
         """Rename ``*.tmp`` files into place, replace the manifest atomically, collect garbage.
 
@@ -155,8 +167,8 @@ class StateDir:
         except BaseException:
             tmp.unlink(missing_ok=True)
             for f in new_files:
-                f.unlink(missing_ok=True)
-                f.with_suffix("").unlink(missing_ok=True)
+                remove_file(f)
+                remove_file(f.with_suffix(""))
             raise
         fsync_dir(self.path)
         self.close()
@@ -178,12 +190,20 @@ class StateDir:
         for p in list(self.path.glob("state-*.safetensors*")) + list(self.path.glob("contrib/*")):
             rel = str(p.relative_to(self.path))
             if rel not in keep:
-                p.unlink(missing_ok=True)
+                remove_file(p)
 
     def close(self) -> None:
         if self._state is not None:
             self._state.close()
         self._state, self._fields = None, None
+
+
+def remove_file(p: Path) -> None:
+    """Remove a state or contribution file, or a pieces folder; nothing if it is gone."""
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p, ignore_errors=True)
+    else:
+        p.unlink(missing_ok=True)
 
 
 def final_name(p: Path, root: Path) -> str:

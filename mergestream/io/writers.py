@@ -28,7 +28,7 @@ from ..errors import OutputExistsError
 from . import st
 from .checkpoints import DEFAULT_SHARD_BYTES, TORCH_TO_ST, Checkpoint, TensorMeta
 
-__all__ = ["ModelWriter", "AppendWriter", "staged_output", "copy_aux_files", "tensor_bytes"]
+__all__ = ["ModelWriter", "PartWriter", "AppendWriter", "staged_output", "copy_aux_files", "tensor_bytes"]
 
 
 #: writes of at least this many bytes start their writeback at once (:func:`mergestream.io.st.start_writeback`)
@@ -173,6 +173,20 @@ class ModelWriter:
             self.bytes_written += len(data)
             self._remaining[name] -= len(data)
 
+    def plan(self) -> dict[str, tuple[str, int, tuple[int, ...], str]]:
+        """Where every planned tensor's bytes go, as data for a :class:`PartWriter` in another process
+        (picklable, tensor-free): ``{name: (shard path, absolute offset, shape, safetensors dtype)}``."""
+        return {name: (str(self.files[shard]), offset, tuple(m.shape), TORCH_TO_ST[m.dtype])
+                for name, (shard, offset, m) in self._where.items()}
+
+    def mark_written(self, names, nbytes: int) -> None:
+        """Account for tensors a :class:`PartWriter` wrote (whole tensors), ``nbytes`` in all, so that
+        :meth:`close` knows they are there."""
+        with self._lock:
+            for name in names:
+                self._remaining[name] = 0
+            self.bytes_written += nbytes
+
     def close(self) -> None:
         """fsync and close every shard; raises RuntimeError if a planned tensor is missing."""
         while self._fds:  # one by one: abort() then closes only what is still open
@@ -188,6 +202,81 @@ class ModelWriter:
         for fd in self._fds:
             os.close(fd)
         self._fds = []
+
+
+class PartWriter:
+    """Write some planned tensors of a :class:`ModelWriter`'s shards from another process or host: the
+    writer API (:meth:`write`, :meth:`write_range`) on the shard files the driver created (shared
+    storage), each byte at its planned offset with ``pwrite``. The driver writes the headers and
+    commits; tasks write disjoint byte ranges, so any number of them may write into one shard.
+
+    Args:
+        plan: :meth:`ModelWriter.plan` (the whole plan: a tensor may be written with its tied aliases,
+            which can sit in other shards).
+
+    Attributes:
+        written: the names written completely; bytes_written: their bytes.
+
+    Raises:
+        KeyError/ValueError from :meth:`write` for an unplanned tensor or a wrong shape/dtype; OSError
+        (naming the shard) when a shard cannot be opened or written.
+    """
+
+    def __init__(self, plan: dict[str, tuple[str, int, tuple[int, ...], str]]):
+        self._plan = plan
+        self._fds: dict[str, int] = {}
+        self._left: dict[str, int] = {}
+        self.written: list[str] = []
+        self.bytes_written = 0
+
+    def _fd(self, path: str) -> int:
+        fd = self._fds.get(path)
+        if fd is None:
+            with st.naming(path):
+                fd = self._fds[path] = os.open(path, os.O_WRONLY)  # never created here: the driver plans the shards
+        return fd
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Write one planned tensor (its planned shape and dtype exactly)."""
+        _, _, shape, dtype = self._plan[name]
+        if tuple(tensor.shape) != tuple(shape) or TORCH_TO_ST[tensor.dtype] != dtype:
+            raise ValueError(f"{name}: got {tuple(tensor.shape)} {tensor.dtype}, planned {tuple(shape)} {dtype}")
+        self.write_range(name, 0, tensor_bytes(tensor))
+
+    def write_range(self, name: str, start: int, data) -> None:
+        """Write raw bytes ``data`` at byte ``start`` of planned tensor ``name``'s data."""
+        path, offset, shape, dtype = self._plan[name]
+        nbytes = st.DTYPE_SIZES[dtype]
+        for d in shape:
+            nbytes *= d
+        data = memoryview(data).cast("B")
+        if start < 0 or start + len(data) > nbytes:
+            raise ValueError(f"{name}: bytes [{start}, {start + len(data)}) outside the planned {nbytes}")
+        fd = self._fd(path)
+        with st.naming(path):
+            st.pwrite_all(fd, data, offset + start)
+            if len(data) >= WRITEBACK_MIN_BYTES:
+                st.start_writeback(fd, offset + start, len(data))
+        left = self._left.setdefault(name, nbytes) - len(data)
+        self._left[name] = left
+        self.bytes_written += len(data)
+        if left <= 0:
+            self.written.append(name)
+
+    def close(self) -> None:
+        """fsync and close every shard this part wrote into (its bytes are durable when it returns)."""
+        while self._fds:
+            path, fd = self._fds.popitem()
+            try:
+                with st.naming(path):
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def abort(self) -> None:
+        """Close without syncing."""
+        while self._fds:
+            os.close(self._fds.popitem()[1])
 
 
 class AppendWriter:

@@ -26,7 +26,8 @@ Patch file (a safetensors file, format ``mergestream-patch/1`` or ``/2``)
       metadata ``compressed`` gives its uncompressed dtype and shape): see :mod:`mergestream.patches.codec`.
 
     ``__metadata__`` (strings): ``patch_format``, ``source_version``, ``target_version``,
-    ``source_sha256``, ``target_sha256`` (weights hashes above), ``policy``, ``payload_bytes``
+    ``source_sha256``, ``target_sha256`` (weights hashes above), ``weights_hash`` (their version:
+    ``weights2``; absent in patches written before version 2, whose hashes are version 1), ``policy``, ``payload_bytes``
     (bytes of tensor data in the patch), ``model_bytes`` (bytes of the target's weight files),
     ``removed`` (JSON list of source tensors absent from the target), ``target_layout`` (JSON:
     ``{"files": [{"name": file name, "header": the target file's verbatim safetensors header}],
@@ -61,7 +62,6 @@ import numpy as np
 from ..io.paths import confined, relative_name
 from ..io.st import (
     DTYPE_SIZES,
-    WEIGHTS_HASH_TAG,
     FormatError,
     Header,
     TensorEntry,
@@ -73,8 +73,10 @@ from ..io.st import (
     parse_index,
     pwrite_all,
     read_header,
+    WeightsHash,
     read_into,
     u64le,
+    weights_hash_version,
 )
 from .codec import MASK, PatchFormat, decode_mask, decompress, logical_entries
 
@@ -213,14 +215,23 @@ class Weights:
             read_into(fh, e.offset + off, buf[:n])
             yield buf[:n]
 
-    def sha256(self) -> str:
-        """The weights hash of this model (see the module docstring); streams in chunks."""
-        h = hashlib.sha256(WEIGHTS_HASH_TAG + u64le(len(self.entries)))
+    def sha256(self, version: int = 2) -> str:
+        """The weights hash of this model (see the module docstring); streams in chunks.
+        ``version``: 2 (current) or 1 (records written before version 2)."""
+        h = WeightsHash(len(self.entries), version)
         for name in self.names():
-            h.update(self.entries[name].frame())
+            h.begin(self.entries[name])
             for chunk in self.chunks(name):
-                h.update(chunk)
+                h.data(chunk)
         return h.hexdigest()
+
+    def matches(self, sha: str, version: int | None = None) -> bool:
+        """Whether this model's weights hash is ``sha``: of ``version`` when the record names it,
+        else of the current version or, failing that, of version 1 (a record written before
+        version 2; a second read only then)."""
+        if version is not None:
+            return self.sha256(version) == sha
+        return self.sha256() == sha or self.sha256(1) == sha
 
     def close(self) -> None:
         """Close the open file handles."""
@@ -235,8 +246,9 @@ class Weights:
         self.close()
 
 
-def weights_sha256(model_dir: str | os.PathLike) -> str:
-    """The weights hash of a model folder or ``.safetensors`` file (64 hex characters).
+def weights_sha256(model_dir: str | os.PathLike, version: int = 2) -> str:
+    """The weights hash of a model folder or ``.safetensors`` file (64 hex characters); ``version``
+    1 for records written before version 2 (:mod:`mergestream.io.st`).
 
     Independent of sharding, header formatting, tensor order in the files and metadata; reads
     one 16 MiB chunk at a time. See the module docstring for the exact definition.
@@ -245,7 +257,14 @@ def weights_sha256(model_dir: str | os.PathLike) -> str:
         PatchError: the model cannot be read.
     """
     with Weights(model_dir) as w:
-        return w.sha256()
+        return w.sha256(version)
+
+
+def weights_match(model_dir: str | os.PathLike, sha: str) -> bool:
+    """Whether a model folder's weights hash is ``sha`` under either definition (version 2, else
+    version 1: a feed or record written before version 2). Raises PatchError as :func:`weights_sha256`."""
+    with Weights(model_dir) as w:
+        return w.matches(sha)
 
 
 def canonical_header(obj: dict[str, Any]) -> bytes:
@@ -523,7 +542,10 @@ def apply_patch(model_dir: str | os.PathLike, patch_path: str | os.PathLike,
         raise PatchError(f"{out} already exists; choose a new output path")
     patch = read_patch(patch_path)
     with Weights(model_dir) as src, Weights(patch.path) as pw:
-        have = src.sha256()
+        version = weights_hash_version(patch.metadata.get("weights_hash", "weights"))
+        if version is None:
+            raise PatchError(f"{patch.path}: unknown weights_hash {patch.metadata.get('weights_hash')!r}")
+        have = src.sha256(version)
         if have != patch.source_sha256:
             raise PatchError(
                 f"patch is for source sha256 {patch.source_sha256} (version {patch.source_version or '?'}), "
@@ -540,7 +562,7 @@ def apply_patch(model_dir: str | os.PathLike, patch_path: str | os.PathLike,
                 with naming(stage / tf.name):
                     pwrite_all(fd, memoryview(u64le(len(raw)) + raw), 0)
                     os.ftruncate(fd, tf.header.data_start + tf.header.data_len)
-            h = hashlib.sha256(WEIGHTS_HASH_TAG + u64le(len(patch.target)))
+            h = WeightsHash(len(patch.target), version)
             counts = {"copied": 0, "sparse": 0, "dense": 0}
             written = 0
             for name in sorted(patch.target, key=lambda n: n.encode("utf-8")):
@@ -556,9 +578,9 @@ def apply_patch(model_dir: str | os.PathLike, patch_path: str | os.PathLike,
                         counts["sparse"] += 1
                     else:
                         counts["copied"] += 1
-                h.update(t.frame())
+                h.begin(t)
                 data = memoryview(buf)
-                h.update(data)
+                h.data(data)
                 with naming(stage / t.file.name):
                     pwrite_all(fds[t.file.name], data, t.offset)
                 written += t.nbytes

@@ -29,7 +29,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from ..errors import MergestreamError, OutputExistsError
-from ..io.st import WEIGHTS_HASH_TAG, TensorEntry, encode_header, fsync_dir, naming, u64le
+from ..io.st import TensorEntry, WeightsHash, encode_header, fsync_dir, naming, u64le, weights_hash_kind
 from . import (
     DENSE,
     SPARSE_INDICES,
@@ -200,8 +200,8 @@ def build_patch(src_model_dir: str | os.PathLike, dst_model_dir: str | os.PathLi
         if not policy:
             policy = next(iter(dst.headers.values())).metadata.get("mergestream.policy", "")
         names = sorted(set(src.entries) | set(dst.entries), key=lambda n: n.encode("utf-8"))
-        h_src = hashlib.sha256(WEIGHTS_HASH_TAG + u64le(len(src.entries)))
-        h_dst = hashlib.sha256(WEIGHTS_HASH_TAG + u64le(len(dst.entries)))
+        h_src = WeightsHash(len(src.entries))
+        h_dst = WeightsHash(len(dst.entries))
         counts = {"unchanged": 0, "sparse": 0, "dense": 0, "added": 0}
         removed: list[str] = []
         spool_fh = tempfile.NamedTemporaryFile(prefix=f".{out.name}.spool-", dir=out.parent, delete=False)
@@ -214,12 +214,12 @@ def build_patch(src_model_dir: str | os.PathLike, dst_model_dir: str | os.PathLi
                     s = d = None
                     if se is not None:
                         s = src.read_raw(name)
-                        h_src.update(se.frame())
-                        h_src.update(memoryview(s).cast("B"))
+                        h_src.begin(se)
+                        h_src.data(memoryview(s).cast("B"))
                     if de is not None:
                         d = dst.read_raw(name)
-                        h_dst.update(de.frame())
-                        h_dst.update(memoryview(d).cast("B"))
+                        h_dst.begin(de)
+                        h_dst.data(memoryview(d).cast("B"))
                     if de is None:
                         removed.append(name)
                     elif se is None or (se.dtype, se.shape) != (de.dtype, de.shape):
@@ -247,6 +247,7 @@ def build_patch(src_model_dir: str | os.PathLike, dst_model_dir: str | os.PathLi
                 "target_version": str(target_version),
                 "source_sha256": h_src.hexdigest(),
                 "target_sha256": h_dst.hexdigest(),
+                "weights_hash": weights_hash_kind(h_dst.version),
                 "policy": policy,
                 "payload_bytes": str(spool.offset),
                 "model_bytes": str(model_bytes),

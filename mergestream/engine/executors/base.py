@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from ...io.checkpoints import Checkpoint
@@ -36,6 +36,12 @@ class TensorMap:
         hook: for an executor that folds the float tensors elsewhere: called on the driver with each
             name before it is read (liveness, stop requests). The local executor does not call it:
             its ``work`` calls the pass's own tensor hook.
+        placement: for a remote executor: ``placement(name)`` is ``"remote"`` (a task folds it,
+            reading the inputs itself), ``"driver"`` (``load`` + ``work`` here: frozen integer
+            tensors) or ``"skip"`` (a tied alias, written with its primary). None: all remote.
+        parts: for a remote executor: where its tasks write (:class:`~.parts.PartsPlan`).
+        digests: filled by a remote executor: per expert, ``{name: sha256 of the stored bytes}`` of
+            every tensor its tasks read (the weights hash is combined from them on the driver).
     """
 
     names: list[str]
@@ -50,6 +56,9 @@ class TensorMap:
     budget: int | None = None
     progress: Progress | None = None
     hook: Callable[[str], None] | None = None
+    placement: Callable[[str], str] | None = None
+    parts: Any = None
+    digests: list[dict[str, bytes]] = field(default_factory=list)
 
     def nbytes(self, name: str) -> int:
         """Bytes of θ₀'s tensor ``name``."""
@@ -60,9 +69,13 @@ class TensorMap:
 class Executor(Protocol):
     """Where a pass's per-tensor map runs (see the module docstring).
 
-    An executor must produce the very bytes of :class:`LocalExecutor` in the sinks; the driver
-    commits them. It is reused across passes (a daemon keeps one).
+    An executor must produce the very bytes of :class:`LocalExecutor` in the output (a remote one
+    writes the state and residuals as pieces folders: the same keys and bytes); the driver commits
+    them. It is reused across passes (a daemon keeps one). ``remote``: whether its tasks write the
+    output themselves (then the pass hands it :attr:`TensorMap.parts`).
     """
+
+    remote: bool
 
     def map(self, job: TensorMap) -> list[tuple[int, float]] | None:
         """Run ``job``: load every tensor in order on the calling thread, write each result into
@@ -84,6 +97,8 @@ class LocalExecutor:
 
     Stateless; one instance serves any number of passes, concurrently too.
     """
+
+    remote = False
 
     def map(self, job: TensorMap) -> None:
         """Run ``job`` on ``job.threads`` worker threads (at most ``threads + prefetch`` jobs alive,

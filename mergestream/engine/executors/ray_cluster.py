@@ -1,4 +1,4 @@
-"""The Ray executor: a fold's float tensors folded by Ray tasks, committed by the driver.
+"""The Ray executor: a pass's float tensors folded by Ray tasks that read and write shared storage.
 
 The only module of the package that imports ``ray`` (the optional extra ``mergestream[ray]``);
 the design and the per-policy handling are in :mod:`mergestream.engine.executors`.
@@ -7,42 +7,95 @@ the design and the per-policy handling are in :mod:`mergestream.engine.executors
 from __future__ import annotations
 
 import logging
+import os
+import pickle
 import signal
+import socket
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 
 import ray
-import torch
 
-from ..fold_tensor import FoldSpec, MergeSpec, runs_on_driver
-from ..stream import clear_scratch
+from ...errors import MergestreamError
 from .base import TensorMap
-from .recording import Recorder, replay
+from .parts import PartResult, run_part
 
 log = logging.getLogger("mergestream.engine.executors")
 
-#: the default group of a task is at most this many bytes of θ₀ (results wait in Ray's object store)
+#: the default group of a task is at most this many bytes of θ₀
 MAX_GROUP_BYTES = 1 << 30
+#: seconds a cluster address may take to answer before the connection is refused as unreachable
+CONNECT_TIMEOUT = 10.0
+#: the address a Ray instance started here binds to (never the machine's network address)
+LOOPBACK = "127.0.0.1"
+#: where Ray remembers the last cluster started on this machine (what ``address="auto"`` reads)
+POINTER_FILE = Path("/tmp/ray/ray_current_cluster")
 
 
-def _fold_group(spec: FoldSpec | MergeSpec, names: list[str], with_residuals: bool,
-                task_hook: Callable[[list[str]], None] | None) -> tuple[list[tuple], float]:
-    """One task: fold ``names`` (float tensors, canonical order) and return (recorded writes, seconds)."""
-    t0 = time.perf_counter()
-    torch.set_num_threads(spec.torch_threads)
-    if task_hook is not None:
-        task_hook(names)
-    folder, close = spec.open()
-    rec = Recorder(with_residuals)
+def loopback_only() -> None:
+    """Make every Ray process this one starts bind to 127.0.0.1 and advertise it (a local instance,
+    Ray's test clusters), never the machine's network address.
+
+    Ray replaces 127.0.0.1 in any address with the machine's address unless it runs "without cluster
+    support" (its switch ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, read from the environment by the
+    processes it starts and at import by this one, hence also set on the imported module). Only
+    for instances started here: a driver that joins a real cluster must advertise a reachable address.
+    """
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    from ray._private import ray_constants  # the switch as this process read it at import
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+class ClusterUnreachableError(MergestreamError):
+    """The Ray cluster named (or remembered) does not answer within :data:`CONNECT_TIMEOUT` seconds."""
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    """``(host, port)`` of a cluster address (``host:port``, ``ray://host:port``), None if it names none."""
+    rest = address.split("://", 1)[-1].rstrip("/")
+    host, sep, port = rest.rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    return host.strip("[]"), int(port)
+
+
+def resolve_address(address: str | None) -> str | None:
+    """The cluster to join: ``address``, else ``RAY_ADDRESS``; ``auto`` becomes the address in Ray's
+    pointer file (:data:`POINTER_FILE`). None: start a local instance (explicitly: never the
+    remembered one)."""
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address == "auto":
+        try:
+            remembered = POINTER_FILE.read_text().strip()
+        except OSError:
+            raise ClusterUnreachableError(
+                "ray address auto: no Ray cluster was started on this machine (no pointer file); start one with "
+                "'ray start --head --node-ip-address=127.0.0.1', or leave the address empty to start a local "
+                "instance") from None
+        address = remembered or None
+    return address
+
+
+def check_reachable(address: str, timeout: float = CONNECT_TIMEOUT) -> None:
+    """Refuse an address nobody answers at, within ``timeout`` seconds (Ray itself retries for minutes).
+
+    Raises:
+        ClusterUnreachableError: one line naming the address and how to choose another.
+    """
+    hp = _host_port(address)
+    if hp is None:
+        return  # Ray's own errors for what it does not parse
     try:
-        for name in names:
-            folder(name, spec.read_expert(folder, name), rec.sinks)
-    finally:
-        close()
-        clear_scratch()  # a Ray worker outlives the task: its scratch buffers must not
-    return rec.ops, time.perf_counter() - t0
+        with socket.create_connection(hp, timeout=timeout):
+            pass
+    except OSError as exc:
+        raise ClusterUnreachableError(
+            f"the Ray cluster at {address} does not answer ({exc.strerror or exc}) within {timeout:g} s: start it, "
+            "name another with --ray-address / executor.address (or RAY_ADDRESS), or leave it empty to "
+            "start a local instance") from None
 
 
 class RayExecutor:
@@ -51,84 +104,120 @@ class RayExecutor:
 
     Args:
         address: the cluster (``auto``, ``ray://head:10001``, ``head:6379``); None: join the cluster
-            ``RAY_ADDRESS`` names, else start a local Ray instance (``num_cpus`` of them).
+            ``RAY_ADDRESS`` names, else start a local Ray instance (``num_cpus`` of them) bound to
+            127.0.0.1. An address that does not answer within ``connect_timeout`` s is refused.
         num_cpus: CPUs of a local instance started here (None: all). Ignored with an address.
         group_bytes: bytes of θ₀'s tensors per task (None: total / (4 · cluster CPUs), at most
             :data:`MAX_GROUP_BYTES`; at least one tensor per task). At most 2 tasks per cluster CPU
-            are in flight; the driver takes their results in order, one at a time.
+            are in flight.
         max_retries: times Ray reruns a task whose worker process died (not for errors the task
             raises: those fail the fold).
         task_hook: called in each task with its tensor names before any work (fault injection in tests).
+        connect_timeout: seconds an address may take to answer.
 
     Attributes:
-        tasks: ``(bytes, seconds)`` of each task of the last fold: θ₀'s bytes of its tensors and
-            its wall time in the worker (read inputs, fold, record), for the scaling benchmark.
+        tasks: ``(bytes, seconds)`` of each task of the last pass: θ₀'s bytes of its tensors and
+            its wall time in the worker (read inputs, fold, write), for the scaling benchmark.
+        received_bytes: bytes of the task results the driver received in the last pass (pickled
+            metadata: names, digests, statistics; never a tensor).
     """
 
+    remote = True
+
     def __init__(self, address: str | None = None, *, num_cpus: int | None = None, group_bytes: int | None = None,
-                 max_retries: int = 3, task_hook: Callable[[list[str]], None] | None = None):
+                 max_retries: int = 3, task_hook: Callable[[list[str]], None] | None = None,
+                 connect_timeout: float = CONNECT_TIMEOUT):
         self.address = address
         self.num_cpus = num_cpus
         self.group_bytes = group_bytes
         self.max_retries = max_retries
         self.task_hook = task_hook
+        self.connect_timeout = connect_timeout
         self.tasks: list[tuple[int, float]] = []
+        self.received_bytes = 0
 
     def connect(self) -> int:
-        """Join (or start) the cluster once; returns its CPU count."""
+        """Join (or start) the cluster once; returns its CPU count.
+
+        Raises:
+            ClusterUnreachableError: the address (given, ``RAY_ADDRESS`` or remembered) does not answer.
+        """
         if not ray.is_initialized():
+            address = resolve_address(self.address)
+            if address is not None and address != "local":
+                check_reachable(address, self.connect_timeout)
             # ray.init replaces SIGTERM/SIGINT handlers with an immediate exit; the caller's (the
             # daemon's graceful stop) are put back
             main = threading.current_thread() is threading.main_thread()
             saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)} if main else {}
-            ray.init(address=self.address, num_cpus=None if self.address else self.num_cpus,
-                     include_dashboard=False, log_to_driver=False, configure_logging=False)
+            if address is None or address == "local":
+                loopback_only()
+                ray.init(address="local", num_cpus=self.num_cpus, include_dashboard=False, log_to_driver=False,
+                         configure_logging=False)
+            else:
+                ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
             for sig, handler in saved.items():
                 if handler is not None:
                     signal.signal(sig, handler)
         return max(1, int(ray.cluster_resources().get("CPU", 1)))
 
     def map(self, job: TensorMap) -> list[tuple[int, float]]:
-        """Map a pass's float tensors onto Ray tasks; the driver loads every tensor in order first.
+        """Map a pass's float tensors onto Ray tasks that read their inputs and write their output
+        themselves (shared storage, ``job.parts``); the driver reads no float tensor.
 
-        ``job.load`` (the local loader: hashes and checks on the way) runs here for every tensor;
-        its float items are dropped (``job.release``) and re-read by the task from ``job.spec``'s
-        paths. Frozen tensors go through ``job.work`` here. ``job.hook`` is called here with each
-        name before it is read (liveness, stop requests: an exception cancels the tasks).
-        ``job.threads``, ``prefetch`` and ``budget`` are the local executor's and are not used.
+        In canonical order on the driver: ``job.hook(name)``, then by ``job.placement(name)``: a
+        ``driver`` tensor (frozen) is loaded and written here (``job.load`` / ``job.work``), a
+        ``remote`` one joins the current task group, a ``skip`` one (a tied alias) is written by its
+        primary's task. Each task returns a :class:`~.parts.PartResult` (metadata only): its
+        statistics go to ``job.sinks.stats``, its digests to ``job.digests``, its written tensors to
+        the model writer's account. ``job.threads``, ``prefetch`` and ``budget`` are the local
+        executor's and are not used.
 
         Returns:
             ``(bytes, seconds)`` of each task (also kept in :attr:`tasks`).
 
         Raises:
             The first task's error (its original type where Ray can keep it); the tasks still
-            queued are cancelled. Nothing is committed here.
+            queued are cancelled. Nothing is committed here. MergestreamError: a pass without
+            ``job.parts``.
         """
-        spec, names, load, release, work, sinks = job.spec, job.names, job.load, job.release, job.work, job.sinks
-        progress, hook, size_of = job.progress, job.hook, job.nbytes
+        if job.parts is None:
+            raise MergestreamError("the Ray executor needs a pass that plans its parts (shared-storage output)")
+        names, load, work, sinks, size_of = job.names, job.load, job.work, job.sinks, job.nbytes
+        progress, hook = job.progress, job.hook
+        place = job.placement or (lambda name: "remote")
         cpus = self.connect()
         total = sum(size_of(n) for n in names)
         target = self.group_bytes or min(MAX_GROUP_BYTES, max(1, total // (4 * cpus)))
         limit = 2 * cpus
-        task = ray.remote(_fold_group).options(num_cpus=1, max_retries=self.max_retries, retry_exceptions=False)
-        spec_ref = ray.put(spec)
-        with_residuals = sinks.contrib is not None
+        task = ray.remote(run_part).options(num_cpus=1, max_retries=self.max_retries, retry_exceptions=False)
+        spec_ref = ray.put(job.spec)
+        plan_ref = ray.put(job.parts)
         pending: deque = deque()
         self.tasks = []
+        self.received_bytes = 0
+        job.digests[:] = [{} for _ in range(job.spec.expert_count)]
         group: list[str] = []
         size = 0
 
         def submit() -> None:
             nonlocal group, size
             if group:
-                pending.append((task.remote(spec_ref, group, with_residuals, self.task_hook), group, size))
+                index = len(self.tasks) + len(pending)
+                pending.append((task.remote(spec_ref, index, group, plan_ref, self.task_hook),
+                                group, size))
                 group, size = [], 0
 
         def drain_one() -> None:
             ref, group_names, nbytes = pending.popleft()
-            ops, seconds = ray.get(ref)
-            replay(ops, sinks)
-            self.tasks.append((nbytes, seconds))
+            res: PartResult = ray.get(ref)
+            self.received_bytes += len(pickle.dumps(res, protocol=pickle.HIGHEST_PROTOCOL))
+            for stats, numel, nb in res.stats:
+                sinks.stats.add(stats, numel, nb)
+            for mine, theirs in zip(job.digests, res.digests):
+                mine.update(theirs)
+            sinks.writer.mark_written(res.written, res.bytes_written)
+            self.tasks.append((nbytes, res.seconds))
             if progress is not None:
                 for n in group_names:
                     progress.advance(size_of(n))
@@ -137,15 +226,14 @@ class RayExecutor:
             for name in names:
                 if hook is not None:
                     hook(name)
-                item = load(name)
-                if item is None:
+                where = place(name)
+                if where == "skip":
                     continue
-                if runs_on_driver(item):
-                    work(name, item)
+                if where == "driver":
+                    item = load(name)
+                    if item is not None:
+                        work(name, item)
                     continue
-                if release is not None:
-                    release(item)
-                del item
                 group.append(name)
                 size += size_of(name)
                 if size >= target:
@@ -159,5 +247,9 @@ class RayExecutor:
             for ref, _, _ in pending:
                 ray.cancel(ref, force=True)
             raise
-        log.info("ray fold tasks=%d cpus=%d seconds=%.2f", len(self.tasks), cpus, sum(s for _, s in self.tasks))
+        log.info("ray fold tasks=%d cpus=%d task_seconds=%.2f received_bytes=%d", len(self.tasks), cpus,
+                 sum(s for _, s in self.tasks), self.received_bytes)
         return list(self.tasks)
+
+    def __repr__(self) -> str:
+        return f"RayExecutor(address={self.address!r})"
