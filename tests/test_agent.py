@@ -19,7 +19,7 @@ from tuf.api.metadata import Metadata
 from mergestream.feed.build import build_feed
 from mergestream.patches import read_patch, weights_sha256
 
-from .test_feed import served_feed
+from .test_feed import served_feed, signed_targets
 
 ALLOWED_TOP_LEVEL = {"mergestream", "numpy", "click", "tuf", "securesystemslib", "urllib3", "cryptography",
                      "_cffi_backend", "zstandard"}
@@ -121,7 +121,11 @@ def test_format2_zstd_patches_are_applied_by_the_agent(world):
     w = world
     device = at_v1(w)
     rep = build_feed(w["store"].root, w["feed"], w["keys"], patch_format=2, zstd_level=3)
-    patch = next(p for p in (w["feed"] / "targets" / "patches").iterdir() if "000001-000002" in p.name)
+    # the 1 -> 2 patch the newest signed targets name (the folder also keeps release 1's format-1 file,
+    # under its own consistent-snapshot name: which of the two a directory listing gives first is chance)
+    signed = signed_targets(w["feed"])
+    path = next(p for p in signed if p.startswith("patches/") and "000001-000002" in p)
+    patch = w["feed"] / "targets" / "patches" / f"{signed[path].hashes['sha256']}.{Path(path).name}"
     assert read_patch(patch).metadata["patch_format"] == "mergestream-patch/2"
     proc = pull(w, device, "--json")
     assert proc.returncode == 0, proc.stderr

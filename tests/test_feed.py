@@ -132,12 +132,17 @@ def fleet(tmp_path):
     w["server"].close()
 
 
-def targets_of(feed: Path) -> dict[str, dict]:
-    """``{target path: custom.mergestream}`` of the feed's newest targets metadata."""
+def signed_targets(feed: Path) -> dict:
+    """``{target path: TargetFile}`` of the feed's newest targets metadata."""
     ts = Metadata.from_file(str(feed / "metadata" / "timestamp.json"))
     snap = Metadata.from_file(str(feed / "metadata" / f"{ts.signed.snapshot_meta.version}.snapshot.json"))
     tg = Metadata.from_file(str(feed / "metadata" / f"{snap.signed.meta['targets.json'].version}.targets.json"))
-    return {p: custom_of(t.unrecognized_fields) for p, t in tg.signed.targets.items()}
+    return dict(tg.signed.targets)
+
+
+def targets_of(feed: Path) -> dict[str, dict]:
+    """``{target path: custom.mergestream}`` of the feed's newest targets metadata."""
+    return {p: custom_of(t.unrecognized_fields) for p, t in signed_targets(feed).items()}
 
 
 # -- tests ------------------------------------------------------------------------------------------
