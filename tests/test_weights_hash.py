@@ -101,29 +101,39 @@ def _as_version_1(state: Path) -> None:
     sd.commit(man, [])
 
 
-def test_a_state_written_with_version_1_unmerges_both_ways(tmp_path):
+def _chain(tmp: Path, tag: str) -> Path:
     base = random_model(0, torch.bfloat16)
-    bpath = save_tensors(tmp_path / "base.safetensors", base)
-    experts = [save_tensors(tmp_path / f"e{i}.safetensors", perturb(base, 0.05, 10 + i)) for i in range(2)]
-    state, backbone = tmp_path / "state", None
-    for i, e in enumerate(experts):
-        engine.fold(bpath, backbone, e, "task_arithmetic", {"lambda": 0.5}, state_dir=state, out=tmp_path / f"o{i}",
-                    expert_id=f"e{i}", options=ExecOptions(threads=1))
-        backbone = tmp_path / f"o{i}"
+    bpath = save_tensors(tmp / "base.safetensors", base)
+    state, backbone = tmp / f"{tag}-state", None
+    for i in range(2):
+        e = save_tensors(tmp / f"e{i}.safetensors", perturb(base, 0.05, 10 + i))
+        engine.fold(bpath, backbone, e, "task_arithmetic", {"lambda": 0.5}, state_dir=state,
+                    out=tmp / f"{tag}-{i}", expert_id=f"e{i}", options=ExecOptions(threads=1))
+        backbone = tmp / f"{tag}-{i}"
     assert [f.sha256_kind for f in StateDir(state).manifest.folds] == ["weights2", "weights2"]
     _as_version_1(state)
-    engine.unmerge(state, "e0", "replay", out=tmp_path / "rep", options=ExecOptions(threads=1))  # refolds e1 with its v1 hash
-    assert [(f.id, f.sha256_kind) for f in StateDir(state).manifest.folds] == [("e1", "weights2")]
+    return state
+
+
+def test_a_state_written_with_version_1_subtracts_after_checking_the_kept_expert(tmp_path):
+    state = _chain(tmp_path, "s")
     sd = StateDir(state)
     man = sd.manifest
-    man.folds[0].sha256, man.folds[0].sha256_kind = "ab" * 32, "weights"
+    good = man.folds[1].sha256
+    man.folds[1].sha256 = "ab" * 32  # a version-1 record the kept expert no longer matches
     sd.commit(man, [])
     with pytest.raises(CorruptCheckpointError, match="changed since it was folded"):
-        engine.unmerge(state, "e1", "subtract", out=tmp_path / "sub", options=ExecOptions(threads=1))
-    _as_version_1(state)
-    engine.unmerge(state, "e1", "subtract", out=tmp_path / "sub", options=ExecOptions(threads=1))  # checks the kept expert
-    assert StateDir(state).manifest.folds == []
-    assert (tmp_path / "sub").is_dir()
+        engine.unmerge(state, "e1", "subtract", out=tmp_path / "bad", options=ExecOptions(threads=1))
+    man.folds[1].sha256 = good
+    sd.commit(man, [])
+    engine.unmerge(state, "e1", "subtract", out=tmp_path / "sub", options=ExecOptions(threads=1))
+    assert [f.id for f in StateDir(state).manifest.folds] == ["e0"]
+
+
+def test_a_state_written_with_version_1_replays(tmp_path):
+    state = _chain(tmp_path, "r")
+    engine.unmerge(state, "e0", "replay", out=tmp_path / "rep", options=ExecOptions(threads=1))  # refolds e1, v1 hash checked
+    assert [(f.id, f.sha256_kind) for f in StateDir(state).manifest.folds] == [("e1", "weights2")]
 
 
 def test_a_fold_checks_a_version_1_ledger_hash_and_refuses_a_changed_expert(tmp_path):
