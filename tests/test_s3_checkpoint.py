@@ -22,7 +22,7 @@ from mergestream.errors import (
     ObjectGoneError,
 )
 from mergestream.io import s3_checkpoint, st
-from mergestream.io.checkpoints import open_checkpoint, read_state_dict
+from mergestream.io.checkpoints import open_checkpoint, open_safetensors_file, read_state_dict
 from mergestream.io.expert_readers import content_sha256
 
 from .conftest import perturb, random_model, run_cli, save_tensors
@@ -316,11 +316,14 @@ def test_daemon_without_cache_folds_in_place_and_keeps_a_reference(s3, bucket, t
 # Ray: tasks read their inputs from the bucket
 # ------------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_ray_tasks_read_the_expert_from_the_bucket_through_a_reference(s3, bucket, model, tmp_path):
+def test_ray_tasks_read_the_expert_from_the_bucket_through_a_reference(s3, bucket, model, tmp_path, caplog):
     """Each Ray task reopens the expert by its path: a reference file sends it to the bucket (the
-    workers get the credentials from their environment and the endpoint from the reference)."""
+    workers get the credentials from their environment and the endpoint from the reference). The
+    driver fetches headers and the frozen integer buffer only: every float tensor's bytes go from the
+    bucket to a task, which writes its shard bytes itself (issue 37); same output, same content hash."""
     ray = pytest.importorskip("ray")
     from mergestream.engine.executors import make_executor
+    from mergestream.engine.executors.ray_cluster import loopback_only
 
     base, expert = model
     c = s3.client()
@@ -336,9 +339,12 @@ def test_ray_tasks_read_the_expert_from_the_bucket_through_a_reference(s3, bucke
     mp = pytest.MonkeyPatch()
     mp.setenv("RAY_AUTH_MODE", "disabled")
     mp.delenv("AWS_ENDPOINT_URL")  # the workers find the endpoint in the reference
+    loopback_only()
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)  # inherits the credentials
     try:
         ex = make_executor("ray", group_bytes=6 * 1024)
+        caplog.set_level(logging.DEBUG, logger="mergestream.io.s3_checkpoint")
+        caplog.clear()
         remote = engine.fold(base, None, ref, "ties", {}, state_dir=tmp_path / "s-r", out=tmp_path / "o-r",
                              expert_id="e1", options=engine.ExecOptions(threads=1, executor=ex))
         assert len(ex.tasks) > 1
@@ -348,3 +354,10 @@ def test_ray_tasks_read_the_expert_from_the_bucket_through_a_reference(s3, bucke
     assert remote.sha256 == local.sha256
     for f in sorted((tmp_path / "o-l").iterdir()):
         assert (tmp_path / "o-r" / f.name).read_bytes() == f.read_bytes(), f.name
+    with open_safetensors_file(expert) as ck:
+        float_spans = [(e.offset, e.offset + e.nbytes) for n in ck.keys() if (e := ck.entry(n)).dtype != "I64"]
+    fetched = [(a, b + 1) for _, a, b in gets(caplog)]
+    assert fetched, "the driver's reads were not logged"
+    overlap = sum(max(0, min(b, fb) - max(a, fa)) for a, b in fetched for fa, fb in float_spans)
+    assert overlap == 0, "the driver read float tensor bytes of the expert"
+    assert ex.received_bytes < expert.stat().st_size / 5
