@@ -354,7 +354,8 @@ def run_mergestream(ctx: SizeContext, policy: str, sets: dict[str, str], note: s
         row.params = " ".join(shown) + (f" ({note})" if note else "")
         if ray is not None:
             row.params += f" workers={ray.cpus}"
-            row.extra.update(ray_workers=ray.cpus, ray_tasks=report.get("tasks"))
+            row.extra.update(ray_workers=ray.cpus, ray_tasks=report.get("tasks"),
+                             ray_received_bytes=report.get("received_bytes"))
     shutil.rmtree(state, ignore_errors=True)
     shutil.rmtree(first, ignore_errors=True)
     if later:

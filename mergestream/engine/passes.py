@@ -53,6 +53,8 @@ class FoldReport:
         sha256: the content hash of each expert read (computed on the fold's own pass).
         tasks: with a remote executor, ``[bytes, seconds]`` of each task (θ₀'s bytes of its tensors,
             its wall time in the worker); None locally.
+        received_bytes: with a remote executor, bytes of the task results the driver received
+            (pickled metadata; no tensor travels); None locally.
     """
 
     out: str
@@ -67,6 +69,7 @@ class FoldReport:
     search: dict[str, float] | None = None
     sha256: list[str] = field(default_factory=list)
     tasks: list[list[float]] | None = None
+    received_bytes: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)

@@ -49,6 +49,16 @@ def loopback_only() -> None:
     ray_constants.ENABLE_RAY_CLUSTER = False
 
 
+def group_target(total: int, cpus: int, group_bytes: int | None = None) -> int:
+    """Bytes of θ₀ per task: ``group_bytes``, else total / (4 · cluster CPUs), at most
+    :data:`MAX_GROUP_BYTES` (a task takes consecutive tensors in canonical order until it reaches it)."""
+    return group_bytes or min(MAX_GROUP_BYTES, max(1, total // (4 * cpus)))
+
+
+#: tasks in flight per cluster CPU (the driver submits more only as results come back)
+IN_FLIGHT_PER_CPU = 2
+
+
 class ClusterUnreachableError(MergestreamError):
     """The Ray cluster named (or remembered) does not answer within :data:`CONNECT_TIMEOUT` seconds."""
 
@@ -109,7 +119,8 @@ class RayExecutor:
         num_cpus: CPUs of a local instance started here (None: all). Ignored with an address.
         group_bytes: bytes of θ₀'s tensors per task (None: total / (4 · cluster CPUs), at most
             :data:`MAX_GROUP_BYTES`; at least one tensor per task). At most 2 tasks per cluster CPU
-            are in flight.
+            are in flight; each reserves as many CPUs as the intra-op threads it folds with (the
+            driver's, at most a node's).
         max_retries: times Ray reruns a task whose worker process died (not for errors the task
             raises: those fail the fold).
         task_hook: called in each task with its tensor names before any work (fault injection in tests).
@@ -155,11 +166,20 @@ class RayExecutor:
                 ray.init(address="local", num_cpus=self.num_cpus, include_dashboard=False, log_to_driver=False,
                          configure_logging=False)
             else:
+                hp = _host_port(address)
+                if hp is not None and hp[0] in ("127.0.0.1", "localhost", "::1"):
+                    loopback_only()  # else Ray rewrites the loopback address into this machine's network one
                 ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
             for sig, handler in saved.items():
                 if handler is not None:
                     signal.signal(sig, handler)
         return max(1, int(ray.cluster_resources().get("CPU", 1)))
+
+    @staticmethod
+    def node_cpus() -> int:
+        """CPUs of the largest live node of the cluster (a task can reserve no more)."""
+        cpus = [n.get("Resources", {}).get("CPU", 0) for n in ray.nodes() if n.get("Alive")]
+        return max(1, int(max(cpus, default=1)))
 
     def map(self, job: TensorMap) -> list[tuple[int, float]]:
         """Map a pass's float tensors onto Ray tasks that read their inputs and write their output
@@ -188,9 +208,13 @@ class RayExecutor:
         place = job.placement or (lambda name: "remote")
         cpus = self.connect()
         total = sum(size_of(n) for n in names)
-        target = self.group_bytes or min(MAX_GROUP_BYTES, max(1, total // (4 * cpus)))
-        limit = 2 * cpus
-        task = ray.remote(run_part).options(num_cpus=1, max_retries=self.max_retries, retry_exceptions=False)
+        target = group_target(total, cpus, self.group_bytes)
+        limit = IN_FLIGHT_PER_CPU * cpus
+        # a task asks for the CPUs it computes on (the driver's intra-op threads, pinned for the same
+        # bytes), at most a node's: more threads than reserved cores thrash (LAPACK under contention
+        # ran 3-10x slower with 2 tasks x 2 threads on 2 cores)
+        task_cpus = max(1, min(int(job.spec.torch_threads), self.node_cpus()))
+        task = ray.remote(run_part).options(num_cpus=task_cpus, max_retries=self.max_retries, retry_exceptions=False)
         spec_ref = ray.put(job.spec)
         plan_ref = ray.put(job.parts)
         pending: deque = deque()
