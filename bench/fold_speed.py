@@ -68,7 +68,9 @@ Ray rows (``--executor ray --workers 1 2``): besides the local rows, each merges
 is measured again with ``fold --executor ray`` on a local Ray cluster of N worker CPUs that this
 script starts (``ray start --head --num-cpus N``, outside the timed child, as a deployed cluster
 would be running already) and stops after the row; the child joins it with ``--ray-address``. The
-JSON keeps each Ray task's (bytes, seconds) for the scaling projection (bench/results/ray_scaling.md)::
+JSON keeps each Ray task's (bytes, seconds) and the bytes the driver received. These rows are cold
+CLI folds (joining the cluster and starting its workers are in the time); the warm comparison a
+daemon sees, and the 70B projection, are bench/ray_scaling.py's (bench/results/ray_scaling.md)::
 
     .venv/bin/python bench/fold_speed.py --sizes 1GB --policies task_arithmetic safe_merge \
         --executor ray --workers 1 2 --no-mergekit --no-floor --repeat 1 --workdir /tmp/msbench-ray \
@@ -87,7 +89,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import math
 import os
 import platform
 import shutil
@@ -112,7 +113,6 @@ from common import (  # noqa: E402  (bench/ is not a package: the shared benchma
     MIB,
     REPO,
     SIZES,
-    LlamaShape,
     Measured,
     _log,
     _pip_version,
@@ -731,80 +731,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-#: Llama-3-70B's dimensions (untied embeddings), for the Ray projection
-LLAMA_70B = LlamaShape(hidden=8192, intermediate=28672, layers=80, vocab=128256, heads=64, kv_heads=8)
-
-
-def ray_groups(sizes: list[int], workers: int, max_group: int = 1 << 30) -> list[int]:
-    """Bytes of each task the Ray executor makes of tensors of ``sizes`` bytes (in order) on
-    ``workers`` CPUs: consecutive tensors until total / (4 · workers) bytes (at most ``max_group``)."""
-    target = min(max_group, max(1, sum(sizes) // (4 * workers)))
-    groups, cur = [], 0
-    for b in sizes:
-        cur += b
-        if cur >= target:
-            groups.append(cur)
-            cur = 0
-    return groups + ([cur] if cur else [])
-
-
-def list_schedule(durations: list[float], workers: int) -> float:
-    """Makespan of tasks started in order, each on the first free worker (Ray's queue, FIFO)."""
-    free = [0.0] * workers
-    for d in durations:
-        i = min(range(workers), key=free.__getitem__)
-        free[i] += d
-    return max(free, default=0.0)
-
-
-def project_ray(argv: list[str]) -> int:
-    """``_project JSON [--storage-gbs R]``: the makespan of a 70B fold on 8 and 64 workers from the
-    per-task times of the ``workers=1`` Ray rows (see bench/results/ray_scaling.md for the method)."""
-    p = argparse.ArgumentParser(prog="fold_speed.py _project")
-    p.add_argument("json", type=Path)
-    p.add_argument("--storage-gbs", type=float, default=1.0,
-                   help="the driver's storage throughput (GB/s) for its floor: read the expert, write the output "
-                        "and the residual")
-    p.add_argument("--workers", nargs="+", type=int, default=[8, 64])
-    p.add_argument("--from-workers", type=int, default=1, help="take the per-task times of the rows with this many workers")
-    a = p.parse_args(argv)
-    doc = json.loads(a.json.read_text())
-    rows = {(r["policy"], r["extra"].get("ray_workers")): r for r in doc["rows"]
-            if r["tool"] == "mergestream-ray" and not r.get("error")}
-    sizes = [math.prod(s) * 2 for _, s in LLAMA_70B.tensors()]  # bf16
-    total = sum(sizes)
-    print(f"70B: {len(sizes)} tensors, {total / GB:.1f} GB bf16; driver floor at {a.storage_gbs} GB/s: "
-          f"{3 * total / GB / a.storage_gbs:.0f} s (read expert, write output + residual)")
-    print(f"| policy | measured s/GB per task ({a.from_workers} worker(s)) | startup s | 1GB, 2 workers: projected / measured s | "
-          + " | ".join(f"70B on {w} workers: tasks, makespan" for w in a.workers) + " |")
-    print("| --- | --- | --- | --- | " + " | ".join("---" for _ in a.workers) + " |")
-    for (policy, w), row in sorted(rows.items()):
-        if w != a.from_workers or not row["extra"].get("ray_tasks"):
-            continue
-        tasks = row["extra"]["ray_tasks"]
-        rate = sum(t[1] for t in tasks) / sum(t[0] for t in tasks)  # s per byte of θ₀
-        # wall not in tasks (exact with 1 worker: tasks run one after the other; with more, the
-        # first task's start and the last task's end are taken as the makespan's ends)
-        startup = max(0.0, row["seconds"] - (sum(t[1] for t in tasks) if w == 1 else
-                                             list_schedule([t[1] for t in tasks], w)))
-        two = rows.get((policy, 2))
-        small = [math.prod(s) * 2 for _, s in SIZES[row["size"]].tensors()]
-        proj2 = startup + list_schedule([rate * b for b in ray_groups(small, 2)], 2)
-        cells = [f"{rate * GB:.1f}", f"{startup:.1f}", f"{proj2:.1f} / {two['seconds']:.1f}" if two else f"{proj2:.1f} / -"]
-        for wk in a.workers:
-            groups = ray_groups(sizes, wk)
-            span = max(list_schedule([rate * b for b in groups], wk), 3 * total / GB / a.storage_gbs)
-            cells.append(f"{len(groups)}, {(startup + span) / 3600:.2f} h")
-        print(f"| {policy} ({row['params']}) | " + " | ".join(cells) + " |")
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["_floor"]:
         return floor_child(argv[1:])
-    if argv[:1] == ["_project"]:
-        return project_ray(argv[1:])
     args = build_parser().parse_args(argv)
     if args.quick:
         args.sizes = ["50MB"]

@@ -44,7 +44,7 @@ from typing import Any
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import GB, MIB, REPO, SIZES, LlamaShape, _log, ensure_models, tree_bytes, weight_files  # noqa: E402
+from common import GB, MIB, REPO, SIZES, LlamaShape, _log, ensure_models, weight_files  # noqa: E402
 
 DEFAULT_JSON = REPO / "bench" / "results" / "ray_scaling.json"
 LLAMA_70B = LlamaShape(hidden=8192, intermediate=28672, layers=80, vocab=128256, heads=64, kv_heads=8)

@@ -43,7 +43,6 @@ from ..errors import (
     FrozenTensorMismatchError,
     MissingKeyError,
     MissingShardError,
-    NonFiniteError,
     OutsideRootError,
     QuantizedCheckpointError,
     ShapeMismatchError,
@@ -59,6 +58,7 @@ from .input_formats import (
     unwrap_container,
     wrapper_prefix,
 )
+from .finite import check_finite_tensor, count_non_finite, non_finite_error, sum_is_finite  # noqa: F401 (re-exported)
 from .paths import confined
 
 log = logging.getLogger(__name__)
@@ -91,15 +91,6 @@ _EMBEDDING_NAME = re.compile(r"(embed|wte|wpe|lm_head|shared\.weight$)")
 def is_float_dtype(dtype: torch.dtype) -> bool:
     """True for floating dtypes (merged); integer and bool tensors are frozen (copied from θ₀)."""
     return dtype.is_floating_point
-
-
-def count_non_finite(t: torch.Tensor, chunk: int = 1 << 20) -> int:
-    """Number of NaN/±Inf entries, counted in chunks of ``chunk`` elements (``torch.isfinite`` on a
-    whole tensor allocates a same-sized temporary plus masks)."""
-    if not t.is_floating_point():
-        return 0
-    flat = t.reshape(-1)
-    return sum(int((~torch.isfinite(flat[i:i + chunk])).sum()) for i in range(0, flat.numel(), chunk))
 
 
 def is_embedding_name(name: str) -> bool:
@@ -283,27 +274,25 @@ class Checkpoint:
                 self._sha256[version] = file_sha256(self.weight_files)
             else:
                 h = st.WeightsHash(len(self._entries), version)
-                buf = torch.empty(min(_HASH_CHUNK, max((e.nbytes for e in self._entries.values()), default=0)),
-                                  dtype=torch.uint8)
                 for name in st.name_order(self._entries):
-                    e = self._entries[name]
-                    h.begin(e)
-                    for off in range(0, e.nbytes, _HASH_CHUNK):
-                        n = min(_HASH_CHUNK, e.nbytes - off)
-                        h.data(self.read_into(name, buf[:n], off).numpy())
+                    h.begin(self._entries[name])
+                    for chunk in self._chunks(name):
+                        h.data(chunk)
                 self._sha256[version] = h.hexdigest()
         return self._sha256[version]
 
     def digest(self, name: str) -> bytes:
-        """sha256 of tensor ``name``'s stored bytes (the per-tensor digest of the weights hash,
-        :func:`mergestream.io.st.tensor_digest`), read in chunks; raw checkpoints only."""
-        e = self.entry(name)
+        """sha256 of tensor ``name``'s stored bytes: its digest in the weights hash (raw checkpoints)."""
         h = st.tensor_digest()
+        for chunk in self._chunks(name):
+            h.update(chunk)
+        return h.digest()
+
+    def _chunks(self, name: str):
+        e = self.entry(name)
         buf = torch.empty(min(_HASH_CHUNK, e.nbytes), dtype=torch.uint8)
         for off in range(0, e.nbytes, _HASH_CHUNK):
-            n = min(_HASH_CHUNK, e.nbytes - off)
-            h.update(self.read_into(name, buf[:n], off).numpy())
-        return h.digest()
+            yield self.read_into(name, buf[:min(_HASH_CHUNK, e.nbytes - off)], off).numpy()
 
     def aux_files(self) -> list[Path]:
         """Non-weight files of a model folder, subfolders included (:func:`mergestream.io.st.aux_files`);
@@ -370,24 +359,16 @@ def _open_safetensors_files(path: Path, weight_map: dict[str, Path] | None, file
     return Checkpoint(path, metas, entries=entries, metadata=metadata, files=list(files), source=source)
 
 
-#: the files of a pieces folder (:func:`open_safetensors_file`), one per task that wrote it
-PIECE_GLOB = "part-*.safetensors"
-
-
 def piece_name(index: int) -> str:
-    """The file name of piece ``index`` (>= 0) of a pieces folder."""
+    """File ``index`` (from 0) of a pieces folder: what one task of a remote fold wrote of a state or residual."""
     return f"part-{index + 1:05d}.safetensors"
 
 
 def open_safetensors_file(path: str | os.PathLike) -> Checkpoint:
-    """Open one safetensors file whatever its name (e.g. a ``*.tmp`` staged file), or a pieces folder:
-    the ``part-NNNNN.safetensors`` files that the tasks of a remote fold wrote for one state or
-    residual file (each holds its tensors and the same ``__metadata__``; a tensor in two pieces is
-    refused as corrupt)."""
+    """Open one safetensors file whatever its name (e.g. a ``*.tmp`` staged file), or a pieces folder
+    (:func:`piece_name` files, each with its tensors and the same ``__metadata__``)."""
     p = Path(path)
-    if p.is_dir():
-        return _open_safetensors_files(p, None, sorted(p.glob(PIECE_GLOB)))
-    return _open_safetensors_files(p, None, [p])
+    return _open_safetensors_files(p, None, sorted(p.glob("part-*.safetensors")) if p.is_dir() else [p])
 
 
 def _torch_load(path: Path) -> Any:
@@ -588,35 +569,6 @@ def check_frozen(name: str, got: torch.Tensor, want: torch.Tensor, where: str, b
         raise FrozenTensorMismatchError(
             f"tensor {name} ({want.dtype}) differs between {where} and base {base_path}; "
             "integer/bool tensors are never merged and must equal the base")
-
-
-def sum_is_finite(t: torch.Tensor) -> bool:
-    """Whether one sum of float tensor ``t`` is finite (False: NaN/±Inf, or an overflow). In ``t``'s
-    dtype: ``dtype=float32`` on bf16 materialises a float32 copy (~20x slower); float16 (range
-    65504, easily overflowed by a sum) is the exception."""
-    if t.dtype == torch.float16:
-        return bool(torch.isfinite(t.sum(dtype=torch.float32)))
-    return bool(torch.isfinite(t.sum()))
-
-
-def check_finite_tensor(name: str, t: torch.Tensor, where: str) -> None:
-    """Raise NonFiniteError if float tensor ``t`` holds NaN/±Inf.
-
-    Fast path: one float32 reduction (NaN and ±Inf propagate through a sum); only when the sum is
-    not finite (which finite values can also cause, by overflow) are entries counted in chunks.
-    """
-    if not t.is_floating_point() or t.numel() == 0:
-        return
-    if sum_is_finite(t):
-        return
-    bad = count_non_finite(t)
-    if bad:
-        raise non_finite_error(name, where, bad)
-
-
-def non_finite_error(name: str, where: str, count: int) -> NonFiniteError:
-    """The error for ``count`` NaN/±Inf values found in tensor ``name`` of ``where``."""
-    return NonFiniteError(f"tensor {name}: {where} holds {count} NaN/Inf value(s)")
 
 
 def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:

@@ -9,9 +9,7 @@ compared and patched as unsigned integers of the same itemsize. Equality is ther
 (``-0.0`` differs from ``0.0``; two NaNs with different payloads differ).
 
 Weights hash (:func:`weights_sha256`)
-    The project's one content hash of a model (names, dtypes, shapes and bytes in name order;
-    independent of sharding, header layout and ``__metadata__``), defined in :mod:`mergestream.io.st`;
-    ``Checkpoint.sha256()`` computes the same value.
+    The project's one content hash of a model, defined in :mod:`mergestream.io.st` (versions 2 and 1).
 
 Patch file (a safetensors file, format ``mergestream-patch/1`` or ``/2``)
     Tensors, for each target tensor that differs from the source (omitted when bit-identical):
@@ -216,22 +214,13 @@ class Weights:
             yield buf[:n]
 
     def sha256(self, version: int = 2) -> str:
-        """The weights hash of this model (see the module docstring); streams in chunks.
-        ``version``: 2 (current) or 1 (records written before version 2)."""
+        """The weights hash of this model, ``version`` 2 (or 1: older records); streams in chunks."""
         h = WeightsHash(len(self.entries), version)
         for name in self.names():
             h.begin(self.entries[name])
             for chunk in self.chunks(name):
                 h.data(chunk)
         return h.hexdigest()
-
-    def matches(self, sha: str, version: int | None = None) -> bool:
-        """Whether this model's weights hash is ``sha``: of ``version`` when the record names it,
-        else of the current version or, failing that, of version 1 (a record written before
-        version 2; a second read only then)."""
-        if version is not None:
-            return self.sha256(version) == sha
-        return self.sha256() == sha or self.sha256(1) == sha
 
     def close(self) -> None:
         """Close the open file handles."""
@@ -247,11 +236,8 @@ class Weights:
 
 
 def weights_sha256(model_dir: str | os.PathLike, version: int = 2) -> str:
-    """The weights hash of a model folder or ``.safetensors`` file (64 hex characters); ``version``
-    1 for records written before version 2 (:mod:`mergestream.io.st`).
-
-    Independent of sharding, header formatting, tensor order in the files and metadata; reads
-    one 16 MiB chunk at a time. See the module docstring for the exact definition.
+    """The weights hash of a model folder or ``.safetensors`` file (64 hex characters; ``version`` 1
+    for records written before version 2, :mod:`mergestream.io.st`), read 16 MiB at a time.
 
     Raises:
         PatchError: the model cannot be read.
@@ -261,10 +247,10 @@ def weights_sha256(model_dir: str | os.PathLike, version: int = 2) -> str:
 
 
 def weights_match(model_dir: str | os.PathLike, sha: str) -> bool:
-    """Whether a model folder's weights hash is ``sha`` under either definition (version 2, else
-    version 1: a feed or record written before version 2). Raises PatchError as :func:`weights_sha256`."""
+    """Whether a model's weights hash is ``sha``: version 2, else version 1 (a record written before
+    it; a second read only then). Raises PatchError as :func:`weights_sha256`."""
     with Weights(model_dir) as w:
-        return w.matches(sha)
+        return w.sha256() == sha or w.sha256(1) == sha
 
 
 def canonical_header(obj: dict[str, Any]) -> bytes:

@@ -29,7 +29,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from ..errors import MergestreamError, OutputExistsError
-from ..io.st import TensorEntry, WeightsHash, encode_header, fsync_dir, naming, u64le, weights_hash_kind
+from ..io.st import TensorEntry, WeightsHash, encode_header, fsync_dir, naming, weights_hash_kind
 from . import (
     DENSE,
     SPARSE_INDICES,

@@ -4,32 +4,47 @@
 the :class:`Executor` protocol: the fold and the offline merge describe their map as a
 :class:`TensorMap` and hand it to ``options.executor.map`` (:class:`~mergestream.engine.options.ExecOptions`).
 
-Design: the driver (the process calling :func:`mergestream.engine.fold`) plans the output, reads the
-expert in canonical order (its content hash, the frozen-tensor checks, tied tensors), folds the
-frozen (integer) tensors itself, and commits the output, the state and the manifest exactly as the
-local fold does. Ray tasks take groups of float tensors (consecutive in canonical order, about
-``total / (4 · cluster CPUs)`` bytes each), open θ₀, θ_{t−1}, the expert and the state folder from
-their paths (storage every worker reaches: a shared filesystem; ``s3://`` inputs are not read by
-tasks), run the same :class:`~mergestream.engine.fold_tensor.TensorFolder` as the local path with
-recording writers, and return what it wrote (tensors and residual bytes). The driver replays the
-recordings in canonical order onto the real writers, so the output, the state file and the
-residual file are the bytes of a local fold with ``threads=1``. The expert is read twice in Ray
-mode (once by the driver for the hash, once by the task).
+Design (issue 37): the driver (the process calling :func:`mergestream.engine.fold`) plans the output
+(the staged shards with their headers, :meth:`~mergestream.io.writers.ModelWriter.plan`), reads the
+expert's headers, folds the frozen (integer) tensors itself, and commits exactly once: the shards'
+final metadata, the index, the state manifest and, in the daemon, fold.json and ``current``. Ray
+tasks take groups of float tensors (consecutive in canonical order, about ``total / (4 · cluster
+CPUs)`` bytes each, :func:`.ray_cluster.group_target`); each opens θ₀, θ_{t−1}, the expert and the
+state folder from their paths (storage every worker reaches: a shared filesystem, or ``s3://``
+inputs through the existing readers), runs the same
+:class:`~mergestream.engine.fold_tensor.TensorFolder` as the local path, and writes (:mod:`.parts`):
+its tensors' bytes at their planned offsets in the staged shards, its tensors' policy state and
+residuals as pieces of their own (``part-NNNNN.safetensors`` in the state's and the residual's
+pieces folders, :meth:`~mergestream.io.state.StateDir.new_pieces`). A task returns metadata only
+(:class:`.parts.PartResult`: names, one 32-byte digest per expert tensor it read, the policy's
+statistics; about 1 KB per task, ``RayExecutor.received_bytes``). The driver combines the digests
+into the expert's content hash (:meth:`~mergestream.engine.passes.ExpertLoader.sha256_from`, weights
+hash version 2), so the expert is read once per fold, by the tasks. A failed or lost task leaves
+nothing the commit can see (the staged folder and the ``.tmp`` pieces folders are discarded); a
+retried task rewrites its own byte ranges and its own pieces. Output files are the bytes of a local
+fold; the state and residual hold the same keys, bytes and metadata, as pieces folders.
 
-Per-policy handling of state that spans folds or tensors:
+What travels per policy (driver ⇄ tasks; never a tensor):
 
-* Task Arithmetic, TIES, MagMax, SAFE-Merge, DOP, LiNeS-wrapped policies: per-tensor math and
-  per-tensor state only; the task reads the tensor's previous state from the state folder.
-* OPCM: its running scale (``norms``, ``lams``, ``lam``) is kept per tensor in the state; a task reads
-  the tensor's entry and returns the new one: correct whatever the grouping.
+* Task Arithmetic, TIES, MagMax, SAFE-Merge, DOP, Iso-C, LiNeS-wrapped policies: per-tensor math and
+  per-tensor state only. Down: the spec (policy, paths, fold index, earlier coefficients) once per
+  fold; up: names, digests, statistics.
+* OPCM: its running scale (``norms``, ``lams``, ``lam``) is kept per tensor in the state; a task
+  reads the tensor's entry from the state folder and writes the new one into its piece: correct
+  whatever the grouping.
 * MDM-OC: its bases are per tensor (as above). With ``coefficients=cmaes`` the tasks write only the
-  state; the CMA-ES search over α and the rewrite of the output from the state run on the driver
-  after the map, as in the local fold (the search needs every tensor).
+  state; the CMA-ES search over α (it needs every tensor) and the rewrite of the output from the
+  state run on the driver after the map, as in the local fold, reading the state pieces.
+* AdaMerging coefficients: the same: tasks write the state, the driver learns the per-layer α from
+  it and rewrites the state and the output.
 
 Byte identity: tasks pin torch's intra-op thread count to the driver's
-(:attr:`~mergestream.engine.fold_tensor.FoldSpec.torch_threads`), so reductions split the same way. A task
-that fails raises on the driver (the fold then leaves no output and an unchanged state folder); a
-task whose worker process dies is retried by Ray (``max_retries``).
+(:attr:`~mergestream.engine.fold_tensor.FoldSpec.torch_threads`), so reductions split the same way,
+and reserve that many CPUs (at most a node's). A task that fails raises on the driver (the fold then
+leaves no output and an unchanged state folder); a task whose worker process dies is retried by Ray
+(``max_retries``). Connecting never hangs: an address that does not answer within
+``connect_timeout`` s is refused by name (:func:`.ray_cluster.check_reachable`), and with no address a
+local instance bound to 127.0.0.1 is started explicitly, never the one Ray's pointer file remembers.
 """
 
 from __future__ import annotations
