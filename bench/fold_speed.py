@@ -273,7 +273,8 @@ class RayHead:
         self.logs.mkdir(parents=True, exist_ok=True)
         log = (self.logs / f"ray-head-{self.cpus}.log").open("w")
         # a loopback-only throwaway cluster: no token (Ray >= 2.5x enables token auth on `ray start`)
-        self.env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+        # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0: Ray keeps 127.0.0.1 instead of the machine's address
+        self.env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
         self.proc = subprocess.Popen([str(ray_exe), "start", "--head", "--block", f"--port={port}",
                                       "--node-ip-address=127.0.0.1", f"--num-cpus={self.cpus}",
                                       "--include-dashboard=false", "--disable-usage-stats"],

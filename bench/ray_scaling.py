@@ -15,8 +15,8 @@ and the output's identity with the local fold. Writes JSON and prints a markdown
 Part 2, simulated (``simulate``): the 70B plan (Llama-3-70B's 723 tensors, bf16, the executor's own
 grouping, :func:`mergestream.engine.executors.ray_cluster.group_target`) run through a discrete-event
 model of the executor's scheduler (FIFO, at most 2 tasks per CPU in flight, the driver taking
-results in order). A task costs its compute (the per-byte rate measured in part 1 by the Ray tasks,
-minus their I/O at this machine's measured storage rate) plus its own storage traffic (θ₀, θ_{t−1},
+results in order). A task costs its compute (the CPU seconds per byte the Ray tasks of part 1
+spent, one CPU per task) plus its own storage traffic (θ₀, θ_{t−1},
 the expert read, the output written: 4 bytes per byte of θ₀) at ``--worker-gbs`` per worker; the
 driver's per-task cost is the metadata it receives (measured) at ``--driver-gbs``::
 
@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     for size in args.sizes:
         base, expert, _ = ensure_models(work, size, "bfloat16")
         model_bytes = sum(f.stat().st_size for f in weight_files(expert))
-        policies = ["task_arithmetic"] if size in args.ta_only else list(POLICIES)
+        policies = ["task_arithmetic"] if size in args.ta_only else list(args.policies)
         for policy in policies:
             rounds = args.rounds if policy == "task_arithmetic" else args.slow_rounds
             samples: dict[str, list[dict[str, Any]]] = {"floor": [], "local": [], "ray": []}
@@ -134,9 +134,12 @@ def run(args: argparse.Namespace) -> int:
                 if not same:
                     raise SystemExit(f"{size} {policy}: the Ray output differs from the local one")
             med = {k: statistics.median(s["seconds"] for s in v) for k, v in samples.items()}
+            # CPU seconds (the load-robust figure): the local driver's; the Ray driver's plus its tasks'
+            cpu = {"local": statistics.median(s["driver_cpu_s"] for s in samples["local"]),
+                   "ray": statistics.median(s["driver_cpu_s"] + sum(t[2] for t in s["tasks"]) for s in samples["ray"])}
             rows.append({"size": size, "model_bytes": model_bytes, "policy": policy, "workers": args.workers,
                          "rounds": rounds, "median_s": med, "samples": samples,
-                         "ray_over_local": med["ray"] / med["local"],
+                         "ray_over_local": med["ray"] / med["local"], "cpu_s": cpu,
                          "received_bytes": max(s["received_bytes"] for s in samples["ray"]),
                          "driver_peak_rss_mib": {k: max(s["driver_peak_rss_mib"] for s in samples[k])
                                                  for k in ("local", "ray")},
@@ -151,12 +154,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def table(doc: dict[str, Any]) -> str:
-    lines = ["| size | policy | floor s | local s | Ray s (workers) | Ray / local | received by the driver "
-             "| driver peak RSS MiB local / Ray |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| size | policy | floor s | local s | Ray s (workers) | Ray / local | CPU s local / Ray (driver + tasks) "
+             "| received by the driver | driver peak RSS MiB local / Ray |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in doc["rows"]:
         m = r["median_s"]
         lines.append(f"| {r['size']} | {r['policy']} | {m['floor']:.2f} | {m['local']:.2f} | {m['ray']:.2f} ({r['workers']}) "
-                     f"| {r['ray_over_local']:.2f} | {r['received_bytes'] / 1024:.1f} KiB "
+                     f"| {r['ray_over_local']:.2f} | {r['cpu_s']['local']:.1f} / {r['cpu_s']['ray']:.1f} "
+                     f"| {r['received_bytes'] / 1024:.1f} KiB "
                      f"({100 * r['received_bytes'] / r['model_bytes']:.4f} %) "
                      f"| {r['driver_peak_rss_mib']['local']:.0f} / {r['driver_peak_rss_mib']['ray']:.0f} |")
     return "\n".join(lines)
@@ -196,7 +201,7 @@ def simulate(args: argparse.Namespace) -> int:
     total = sum(sizes)
     print(f"70B plan: {len(sizes)} tensors, {total / GB:.1f} GB bf16; storage per worker {args.worker_gbs} GB/s; "
           f"driver link {args.driver_gbs} GB/s (metadata only)\n")
-    print("| policy | compute s/GB (measured) | received per task | " +
+    print("| policy | compute CPU s/GB (measured) | received per task | " +
           " | ".join(f"{w} workers @ {g} GB/s" for w in args.workers for g in args.worker_gbs) + " |")
     print("| --- | ---: | ---: | " + " | ".join("---:" for _ in args.workers for _ in args.worker_gbs) + " |")
     out = []
@@ -204,10 +209,9 @@ def simulate(args: argparse.Namespace) -> int:
         if r["size"] != args.from_size:
             continue
         tasks = [t for s in r["samples"]["ray"] for t in (s["tasks"] or [])]
-        task_s, task_b = sum(t[1] for t in tasks), sum(t[0] for t in tasks)
-        floor_gbs = r["model_bytes"] / statistics.median(s["seconds"] for s in r["samples"]["floor"]) / GB
-        # the tasks' time less their own storage traffic at this machine's copy rate: compute alone
-        rate = max(0.0, task_s / task_b - 4.0 / (floor_gbs * GB))
+        # compute per byte of θ₀: the tasks' CPU seconds (what the shared machine's load does not
+        # inflate), one CPU per task; their storage traffic is the model's own term at --worker-gbs
+        rate = sum(t[2] for t in tasks) / sum(t[0] for t in tasks)
         per_task = r["received_bytes"] / max(1, len(r["samples"]["ray"][0]["tasks"] or [1]))
         cells = []
         for w in args.workers:
@@ -227,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run", help="measure local vs Ray folds in one driver")
     r.add_argument("--sizes", nargs="+", default=["1GB"], choices=list(SIZES))
     r.add_argument("--ta-only", nargs="*", default=[], choices=list(SIZES), help="sizes that run Task Arithmetic only")
+    r.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
     r.add_argument("--workers", type=int, default=2, help="CPUs of the local Ray instance")
     r.add_argument("--rounds", type=int, default=3, help="rounds for Task Arithmetic")
     r.add_argument("--slow-rounds", type=int, default=1, help="rounds for SAFE-Merge")

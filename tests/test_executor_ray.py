@@ -50,10 +50,28 @@ def cluster():
     ray.init(address=c.address, log_to_driver=False, include_dashboard=False)
     nodes = [n for n in ray.nodes() if n["Alive"]]
     assert len(nodes) == 2 and {n["NodeManagerAddress"] for n in nodes} == {LOOPBACK}
+    assert _ray_listeners() and all(ip in (LOOPBACK, "::ffff:127.0.0.1", "::1") for ip in _ray_listeners()), \
+        _ray_listeners()
     yield c
     ray.shutdown()
     c.shutdown()
     mp.undo()
+
+
+def _ray_listeners() -> set[str]:
+    """The addresses Ray's own servers (GCS, raylets) listen on."""
+    import psutil
+
+    out = set()
+    for c in psutil.net_connections(kind="tcp"):
+        if c.status == psutil.CONN_LISTEN and c.pid:
+            try:
+                name = psutil.Process(c.pid).name()
+            except psutil.Error:
+                continue
+            if name in ("gcs_server", "raylet"):
+                out.add(c.laddr.ip)
+    return out
 
 
 @pytest.fixture(scope="module")

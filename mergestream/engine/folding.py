@@ -280,7 +280,7 @@ def _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, 
                         seconds=time.perf_counter() - t0, bytes_read=bytes_read,
                         bytes_written=writer.bytes_written, stats=stats.summary(),
                         coefficients=[float(c) for c in coeffs] if coeffs else None, search=found, sha256=[sha],
-                        tasks=[[b, s] for b, s in tasks] if tasks is not None else None,
+                        tasks=[list(t) for t in tasks] if tasks is not None else None,
                         received_bytes=getattr(opts.executor, "received_bytes", None) if remote else None)
     log.info("fold expert=%s policy=%s seconds=%.2f out=%s", eid, pol.name, report.seconds, out)
     return report

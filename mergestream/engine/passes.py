@@ -51,8 +51,8 @@ class FoldReport:
         search: for CMA-ES coefficients, ``{"evaluations", "objective_start", "objective"}`` (the
             penalised objective at the starting α and at the chosen α; lower is better).
         sha256: the content hash of each expert read (computed on the fold's own pass).
-        tasks: with a remote executor, ``[bytes, seconds]`` of each task (θ₀'s bytes of its tensors,
-            its wall time in the worker); None locally.
+        tasks: with a remote executor, ``[bytes, seconds, cpu seconds]`` of each task (θ₀'s bytes of
+            its tensors, its wall and CPU time in the worker); None locally.
         received_bytes: with a remote executor, bytes of the task results the driver received
             (pickled metadata; no tensor travels); None locally.
     """

@@ -77,14 +77,14 @@ class Executor(Protocol):
 
     remote: bool
 
-    def map(self, job: TensorMap) -> list[tuple[int, float]] | None:
+    def map(self, job: TensorMap) -> list[tuple[int, float, float]] | None:
         """Run ``job``: load every tensor in order on the calling thread, write each result into
         ``job.sinks``, then return.
 
         Returns:
-            ``(bytes, seconds)`` of each remote task (θ₀'s bytes of its tensors, its wall time in
-            the worker), for :attr:`~mergestream.engine.passes.FoldReport.tasks`; None when the map
-            ran locally.
+            ``(bytes, seconds, cpu seconds)`` of each remote task (θ₀'s bytes of its tensors, its wall
+            and CPU time in the worker), for :attr:`~mergestream.engine.passes.FoldReport.tasks`; None
+            when the map ran locally.
 
         Raises:
             The first error of ``load``, ``work`` or a task; nothing is committed here.

@@ -64,7 +64,8 @@ class PartResult:
     Attributes:
         names: the tensors it folded. written: every planned tensor it wrote (aliases included).
         digests: per expert of the pass, ``{tensor name: sha256 of its stored bytes}`` (32 bytes each).
-        stats: its ``Stats.add`` calls. bytes_written: model bytes written. seconds: wall time in the worker.
+        stats: its ``Stats.add`` calls. bytes_written: model bytes written. seconds: wall time in the
+        worker; cpu_seconds: the CPU time its process spent on it (all threads).
     """
 
     names: list[str]
@@ -73,6 +74,7 @@ class PartResult:
     stats: list[tuple[dict[str, float], int, int]] = field(default_factory=list)
     bytes_written: int = 0
     seconds: float = 0.0
+    cpu_seconds: float = 0.0
 
 
 class PartSinks:
@@ -135,7 +137,7 @@ def run_part(spec: Any, index: int, names: list[str], plan: PartsPlan, hook: Any
     """
     from ..stream import clear_scratch
 
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     torch.set_num_threads(spec.torch_threads)
     if hook is not None:
         hook(names)
@@ -160,5 +162,5 @@ def run_part(spec: Any, index: int, names: list[str], plan: PartsPlan, hook: Any
     finally:
         close()
         clear_scratch()  # a Ray worker outlives the task: its scratch buffers must not
-    result.seconds = time.perf_counter() - t0
+    result.seconds, result.cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     return result

@@ -127,8 +127,9 @@ class RayExecutor:
         connect_timeout: seconds an address may take to answer.
 
     Attributes:
-        tasks: ``(bytes, seconds)`` of each task of the last pass: θ₀'s bytes of its tensors and
-            its wall time in the worker (read inputs, fold, write), for the scaling benchmark.
+        tasks: ``(bytes, seconds, cpu seconds)`` of each task of the last pass: θ₀'s bytes of its
+            tensors, its wall time and CPU time in the worker (read inputs, fold, write), for the
+            scaling benchmark.
         received_bytes: bytes of the task results the driver received in the last pass (pickled
             metadata: names, digests, statistics; never a tensor).
     """
@@ -144,7 +145,7 @@ class RayExecutor:
         self.max_retries = max_retries
         self.task_hook = task_hook
         self.connect_timeout = connect_timeout
-        self.tasks: list[tuple[int, float]] = []
+        self.tasks: list[tuple[int, float, float]] = []
         self.received_bytes = 0
 
     def connect(self) -> int:
@@ -181,7 +182,7 @@ class RayExecutor:
         cpus = [n.get("Resources", {}).get("CPU", 0) for n in ray.nodes() if n.get("Alive")]
         return max(1, int(max(cpus, default=1)))
 
-    def map(self, job: TensorMap) -> list[tuple[int, float]]:
+    def map(self, job: TensorMap) -> list[tuple[int, float, float]]:
         """Map a pass's float tensors onto Ray tasks that read their inputs and write their output
         themselves (shared storage, ``job.parts``); the driver reads no float tensor.
 
@@ -194,7 +195,7 @@ class RayExecutor:
         executor's and are not used.
 
         Returns:
-            ``(bytes, seconds)`` of each task (also kept in :attr:`tasks`).
+            ``(bytes, seconds, cpu seconds)`` of each task (also kept in :attr:`tasks`).
 
         Raises:
             The first task's error (its original type where Ray can keep it); the tasks still
@@ -241,7 +242,7 @@ class RayExecutor:
             for mine, theirs in zip(job.digests, res.digests):
                 mine.update(theirs)
             sinks.writer.mark_written(res.written, res.bytes_written)
-            self.tasks.append((nbytes, res.seconds))
+            self.tasks.append((nbytes, res.seconds, res.cpu_seconds))
             if progress is not None:
                 for n in group_names:
                     progress.advance(size_of(n))
@@ -272,7 +273,7 @@ class RayExecutor:
                 ray.cancel(ref, force=True)
             raise
         log.info("ray fold tasks=%d cpus=%d task_seconds=%.2f received_bytes=%d", len(self.tasks), cpus,
-                 sum(s for _, s in self.tasks), self.received_bytes)
+                 sum(t[1] for t in self.tasks), self.received_bytes)
         return list(self.tasks)
 
     def __repr__(self) -> str:
