@@ -63,6 +63,33 @@ def recommended_row(doc: dict[str, Any]) -> dict[str, Any] | None:
             "H": float(np.mean([r["final"]["H"] for r in rs])), "orders": len(rs)}
 
 
+def backward_transfer(order: list[str], final_acc: dict[str, float], diag: dict[str, float]) -> dict[str, float]:
+    """BWT under both conventions, from the accuracy matrix's last row and its diagonal.
+
+    ``BWT`` (ours, METHODS.md): mean over the T − 1 earlier tasks j < T of a_{T,j} − a_{j,j}.
+    ``BWT_ref`` (FusionBench / the OPCM and DOP papers): the same sum divided by T (the last task's
+    a_{T,T} − a_{T,T} = 0 counted in the mean), i.e. BWT · (T − 1)/T. Both 0.0 for one task.
+
+    Args:
+        order: the tasks in fold order (T of them). final_acc: a_{T,j} per task (percent).
+        diag: a_{j,j}, each task's accuracy right after its own fold (percent).
+    """
+    t = len(order)
+    if t < 2:
+        return {"BWT": 0.0, "BWT_ref": 0.0}
+    total = float(sum(final_acc[j] - diag[j] for j in order[:-1]))
+    return {"BWT": total / (t - 1), "BWT_ref": total / t}
+
+
+def bwt_ref_of(run: dict[str, Any]) -> float:
+    """A run's reference-convention BWT: stored, or (rows written before it was) BWT · (T − 1)/T."""
+    f = run["final"]
+    if "BWT_ref" in f:
+        return float(f["BWT_ref"])
+    t = len(run["order"])
+    return float(f["BWT"]) * (t - 1) / t if t > 1 else 0.0
+
+
 def label(run: dict[str, Any]) -> str:
     """A run's row label: policy + variant (``opcm+lines``)."""
     return run["policy"] + run["variant"]
@@ -113,14 +140,16 @@ def write_md(doc: dict[str, Any], path: Path) -> None:
               "model's, mean over folds 2..T of the file order, in patch format 1 and in format 2 with zstd (v2); "
               "RI s = seconds of the RI pre-step per expert "
               "(the first expert of an order has no earlier heads, so RI leaves it unchanged).", "",
-              "| policy | params | ACC | norm ACC | BWT | G | H | fold s | RI s | patch/model | patch/model v2 | UAD |",
-              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              "BWT = mean over the earlier tasks j < T of a_Tj − a_jj (ours); BWT ref = the same sum divided by "
+              "T, the convention of FusionBench and the OPCM/DOP papers (= BWT · (T − 1)/T).", "",
+              "| policy | params | ACC | norm ACC | BWT | BWT ref | G | H | fold s | RI s | patch/model | patch/model v2 | UAD |",
+              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in doc["runs"]:
         groups.setdefault(label(r), []).append(r)
     for name, rs in groups.items():
         def cell(key: str, rs=rs) -> str:
-            v = [r["final"][key] for r in rs]
+            v = [bwt_ref_of(r) if key == "BWT_ref" else r["final"][key] for r in rs]
             return f"{np.mean(v):.1f}" + (f" ± {np.std(v):.1f}" if len(v) > 1 else "")
         u = next((r["uad"]["UAD"] for r in rs if r.get("uad")), None)
         pr = next((r["final"]["patch_ratio_mean"] for r in rs if r["final"].get("patch_ratio_mean") is not None), None)
@@ -128,7 +157,7 @@ def write_md(doc: dict[str, Any], path: Path) -> None:
                    None)
         ri_s = [r["final"]["ri_seconds_mean"] for r in rs if r["final"].get("ri_seconds_mean") is not None]
         params = ", ".join(f"{k}={v}" for k, v in rs[0]["params"].items())
-        lines.append(f"| {name} | {params} | {cell('ACC')} | {cell('norm_ACC')} | {cell('BWT')} | {cell('G')} | "
+        lines.append(f"| {name} | {params} | {cell('ACC')} | {cell('norm_ACC')} | {cell('BWT')} | {cell('BWT_ref')} | {cell('G')} | "
                      f"{cell('H')} | {np.mean([r['final']['fold_seconds_mean'] for r in rs]):.1f} | "
                      + (f"{np.mean(ri_s):.1f}" if ri_s else "–") + " | "
                      + (f"{pr:.3f}" if pr is not None else "–") + " | "

@@ -243,3 +243,26 @@ def test_a_changed_grid_is_tuned_again_unless_runs_used_the_old_value():
     assert quality.stale_grid(entry, [0.5, 1.0], "safe_merge", runs, "+iso")
     with pytest.raises(S.BenchInputError, match="GRID changed"):
         quality.stale_grid(entry, [0.5, 1.0], "safe_merge", runs + [{"policy": "safe_merge", "variant": "+iso"}], "+iso")
+
+
+def test_bwt_is_reported_under_both_conventions_on_a_small_accuracy_matrix():
+    """a (3 tasks, fold order a, b, c): a_aa = 90, a_bb = 80, a_cc = 70; after the last fold a = 84,
+    b = 77, c = 70. Ours: ((84 − 90) + (77 − 80)) / 2 = −4.5; the reference's: the same sum / 3 = −3."""
+    got = R.backward_transfer(["a", "b", "c"], {"a": 84.0, "b": 77.0, "c": 70.0}, {"a": 90.0, "b": 80.0, "c": 70.0})
+    assert got == {"BWT": pytest.approx(-4.5), "BWT_ref": pytest.approx(-3.0)}
+    assert R.backward_transfer(["a"], {"a": 50.0}, {"a": 60.0}) == {"BWT": 0.0, "BWT_ref": 0.0}
+    res = {"final_acc": {"a": 84.0, "b": 77.0, "c": 70.0}, "diag": {"a": 90.0, "b": 80.0, "c": 70.0}, "G": 80.0,
+           "fold_seconds": [1.0]}
+    s = quality.summarise(["a", "b", "c"], res, {"a": 95.0, "b": 85.0, "c": 75.0})
+    assert s["BWT"] == pytest.approx(-4.5) and s["BWT_ref"] == pytest.approx(-3.0)
+
+
+def test_table_shows_the_reference_bwt_also_for_rows_written_before_it(tmp_path):
+    """A stored row with BWT_ref renders it; an older row without it gets BWT · (T − 1)/T."""
+    doc = _doc()
+    R.write_md(doc, tmp_path / "old.md")
+    assert "| BWT | BWT ref |" in (tmp_path / "old.md").read_text()
+    assert "| -2.0 | -1.0 |" in (tmp_path / "old.md").read_text()  # T = 2: −2 · 1/2
+    doc["runs"][0]["final"]["BWT_ref"] = -0.7
+    R.write_md(doc, tmp_path / "new.md")
+    assert "| -2.0 | -0.7 |" in (tmp_path / "new.md").read_text()
