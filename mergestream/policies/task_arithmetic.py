@@ -103,10 +103,11 @@ def max_magnitude(values: list[Tensor], tie: str = "last") -> Tensor:
     return out
 
 
-def ties_accumulate(prev: Tensor, tau: Tensor) -> Tensor:
-    """The reference's continual TIES update of two trimmed task vectors: the disjoint *sum* of the
-    values agreeing with the elected sign, sign(prev + τ), where a zero sum takes the tensor's
-    majority sign sign(Σ sign(prev + τ)) (and, where that is 0 too, negative values agree).
+def ties_accumulate(prev: Tensor, tau: Tensor, mean: bool = False) -> Tensor:
+    """The reference's continual TIES update of two trimmed task vectors: the disjoint sum (or, with
+    ``mean``, the mean over the nonzero agreeing values) of the values agreeing with the elected sign
+    sign(prev + τ), where a zero sum takes the tensor's majority sign sign(Σ sign(prev + τ)) (and,
+    where that is 0 too, negative values agree).
 
     Args:
         prev, tau: trimmed Δ_{t−1} and τ, float32, same shape.
@@ -117,9 +118,12 @@ def ties_accumulate(prev: Tensor, tau: Tensor) -> Tensor:
     sign = torch.sign(prev + tau)
     sign[sign == 0] = torch.sign(sign.sum())
     out = torch.zeros_like(prev)
+    count = torch.zeros_like(prev)
     for t in (prev, tau):
-        out.add_(torch.where(torch.where(sign > 0, t > 0, t < 0), t, torch.zeros_like(t)))
-    return out
+        kept = torch.where(torch.where(sign > 0, t > 0, t < 0), t, torch.zeros_like(t))
+        out.add_(kept)
+        count.add_((kept != 0).to(count.dtype))
+    return out.div_(count.clamp_min_(1.0)) if mean else out
 
 
 def _ties_two(prev_t: Tensor, tau_t: Tensor, n: float, lam: float, backbone: Tensor, base: Tensor) -> Tensor:
@@ -190,7 +194,8 @@ class GeneralizedTaskArithmetic(Policy):
             if n == 0:  # the reference's first fold: λ·τ, untrimmed
                 return TensorFold(tau.mul_(lam))
             prev = self._trim(backbone - base, inplace=True)  # Δ_{t−1} itself, not divided by λ
-            return TensorFold(ties_accumulate(prev, self._trim(tau, inplace=True)).mul_(lam))
+            return TensorFold(ties_accumulate(prev, self._trim(tau, inplace=True),
+                                              self.params.disjoint == "mean").mul_(lam))
         if n == 0 or lam == 0:
             # one input: sign election and disjoint mean (or max) return the trimmed vector itself,
             # so skip their tensor-sized temporaries (τ is ours to modify: trimmed in place)
