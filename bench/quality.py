@@ -227,7 +227,8 @@ def fold_stream(order: list[str], experts: dict[str, Path], policy: str, params:
             + f" fold {fold_s[-1]:.1f}s")
     final_acc = steps[-1]["acc"]
     res = {"steps": steps, "diag": diag, "final_acc": final_acc, "G": steps[-1]["G"], "fold_seconds": fold_s,
-           "patch_ratio": patch_ratio, "patch_ratio_v2": patch_ratio_v2, "ri_seconds": ri_s, "run": run, "state": state, "backbone": prev}
+           "patch_ratio": patch_ratio, "patch_ratio_v2": patch_ratio_v2, "ri_seconds": ri_s, "run": run, "state": state, "backbone": prev,
+           "ran_params": {k: v for k, v in frep.params.items() if k != "layer_alphas"}}
     if not keep_final:
         shutil.rmtree(run, ignore_errors=True)
     return res
@@ -675,7 +676,7 @@ def main(argv: list[str] | None = None) -> int:
                               "fold_seconds": s["fold_seconds"], "patch_ratio": s["patch_ratio"],
                               "ri_seconds": s["ri_seconds"], "search": s["search"], "coefficients": s["coefficients"],
                               "layer_alphas": s["layer_alphas"]} for s in res["steps"]],
-                   "diag": res["diag"]}
+                   "diag": res["diag"], "ran_params": res["ran_params"]}
             if want_uad:
                 run["uad"] = uad(order, res, ev, order[0], log)
                 shutil.rmtree(res["run"], ignore_errors=True)
