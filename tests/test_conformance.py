@@ -136,3 +136,17 @@ def test_reference_conventions_are_each_needed():
             got = b + pol.merge_tensor(b, taus, TensorContext(name, is_embedding=is_embedding_name(name)))
             worst = max(worst, rel_error(got, ref[name], b))
         assert worst > 1e-3, key
+
+
+def test_opcm_stream_keeps_its_scope():
+    """A state written in one scope refuses a fold in the other by name (it would start over silently)."""
+    from mergestream.policies import TensorContext
+
+    b, tau = torch.zeros(4, 3), torch.randn(4, 3)
+    glob, per = make_policy("opcm", {"scope": "global"}), make_policy("opcm")
+    g1 = glob.fold_tensor(b, b.clone(), tau.clone(), {}, TensorContext("w", 0))
+    with pytest.raises(PolicyError, match="scope=global"):
+        per.fold_tensor(b, b.clone(), tau.clone(), g1.state, TensorContext("w", 1))
+    p1 = per.fold_tensor(b, b.clone(), tau.clone(), {}, TensorContext("w", 0))
+    with pytest.raises(PolicyError, match="scope=tensor"):
+        glob.fold_tensor(b, b + p1.delta, tau.clone(), p1.state, TensorContext("w", 1))

@@ -98,7 +98,8 @@ class Opcm(Policy):
     Params = OpcmParams
     reference_params = {"scope": "global", "zero_diagonal": True, "rank": "above", "project": "linear"}
 
-    def __init__(self, params=None):
+    def __init__(self, params: dict | OpcmParams | None = None):
+        """Parameters as :class:`OpcmParams`; ``scope=global`` narrows the unmerge to ``replay``."""
         super().__init__(params)
         if self.params.scope == "global":  # the state holds M_t: the fold's contribution is not kept
             self.subtract_unmerge = False
@@ -147,6 +148,9 @@ class Opcm(Policy):
     def _fold_global(self, base: Tensor, backbone: Tensor, tau: Tensor, state: TensorState,
                      ctx: TensorContext) -> TensorFold:
         """``scope=global``: M_t = M_{t−1} + τ' into the state, Δ_t from λ_t written by the engine."""
+        if ctx.n_previous and "merged" not in state:
+            raise PolicyError(f"opcm scope=global: the state of {ctx.name} was written with scope=tensor; "
+                              "a stream keeps its scope (start a new state)")
         tau_sq = torch.cat([state.get("tau_sq", tau.new_zeros(0)), tau.new_tensor([float(tau.double().square().sum())])])
         if "merged" not in state:
             merged = tau.clone()
@@ -161,6 +165,9 @@ class Opcm(Policy):
                     ctx: TensorContext) -> TensorFold:
         if self.params.scope == "global":
             return self._fold_global(base, backbone, tau, state, ctx)
+        if "merged" in state:
+            raise PolicyError(f"opcm scope=tensor: the state of {ctx.name} was written with scope=global; "
+                              "a stream keeps its scope (start a new state)")
         norms = state.get("norms", tau.new_zeros(0))
         norms = torch.cat([norms, norms.new_tensor([float(tau.norm())])])
         if ctx.n_previous == 0 or "lam" not in state or float(state["lam"][0]) == 0.0:
