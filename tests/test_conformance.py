@@ -150,3 +150,14 @@ def test_opcm_stream_keeps_its_scope():
     p1 = per.fold_tensor(b, b.clone(), tau.clone(), {}, TensorContext("w", 0))
     with pytest.raises(PolicyError, match="scope=tensor"):
         glob.fold_tensor(b, b + p1.delta, tau.clone(), p1.state, TensorContext("w", 1))
+
+
+@pytest.mark.parametrize("name", sorted(DOC["cases"]))
+def test_reference_mode_given_as_set_strings_is_the_same_policy(name):
+    """``--set key=value`` hands strings to the parameters model: every reference-mode parameter
+    (choices, booleans, numbers) parses to the same policy as the typed values."""
+    from mergestream.cli import _parse_sets
+
+    case = DOC["cases"][name]
+    sets = tuple(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in case["params"].items())
+    assert make_policy(case["policy"], _parse_sets(sets)).describe() == make_policy(case["policy"], case["params"]).describe()
