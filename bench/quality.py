@@ -3,7 +3,7 @@
 Folds the real all-MiniLM-L6-v2 task experts (``bench/experts.py``, ``mergestream/experts.py``) one
 at a time with each policy through :func:`mergestream.engine.fold` (the daemon's engine), and after
 every fold measures the backbone's accuracy on every task seen so far (each task with its expert's
-own head) and G = STS-B test Spearman x100. Reports ACC, normalised ACC (merged / expert), BWT, G,
+own head) and G = STS-B test Spearman x100. Reports ACC, normalised ACC (merged / expert), BWT (ours and the reference's /T), G,
 H = 2·ACC·G/(ACC+G), fold seconds, and for task_arithmetic and mdm_oc the unmerge accuracy drop
 (UAD). Writes ``quality.json`` (first, and after every run), ``quality.md`` and PNG plots to
 ``--out`` (default: a new scratch folder; the checked-in results only with ``--out bench/results``).
@@ -61,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from quality_report import hmean, save_outputs  # noqa: E402
+from quality_report import backward_transfer, hmean, save_outputs  # noqa: E402
 from quality_report import label as label_of  # noqa: E402
 from quality_setup import (  # noqa: E402
     RESULTS,
@@ -227,7 +227,8 @@ def fold_stream(order: list[str], experts: dict[str, Path], policy: str, params:
             + f" fold {fold_s[-1]:.1f}s")
     final_acc = steps[-1]["acc"]
     res = {"steps": steps, "diag": diag, "final_acc": final_acc, "G": steps[-1]["G"], "fold_seconds": fold_s,
-           "patch_ratio": patch_ratio, "patch_ratio_v2": patch_ratio_v2, "ri_seconds": ri_s, "run": run, "state": state, "backbone": prev}
+           "patch_ratio": patch_ratio, "patch_ratio_v2": patch_ratio_v2, "ri_seconds": ri_s, "run": run, "state": state, "backbone": prev,
+           "ran_params": {k: v for k, v in frep.params.items() if k != "layer_alphas"}}
     if not keep_final:
         shutil.rmtree(run, ignore_errors=True)
     return res
@@ -236,10 +237,10 @@ def fold_stream(order: list[str], experts: dict[str, Path], policy: str, params:
 def summarise(order: list[str], res: dict[str, Any], expert_acc: dict[str, float]) -> dict[str, float]:
     fa = res["final_acc"]
     acc = float(np.mean([fa[t] for t in order]))
-    bwt = float(np.mean([fa[t] - res["diag"][t] for t in order[:-1]])) if len(order) > 1 else 0.0
+    bwt = backward_transfer(order, fa, res["diag"])
     norm = float(np.mean([100.0 * fa[t] / expert_acc[t] for t in order]))
     g = float(res["G"])
-    out = {"ACC": acc, "BWT": bwt, "G": g, "H": hmean(acc, g), "norm_ACC": norm,
+    out = {"ACC": acc, **bwt, "G": g, "H": hmean(acc, g), "norm_ACC": norm,
            "fold_seconds_mean": float(np.mean(res["fold_seconds"]))}
     if res.get("patch_ratio"):
         out["patch_ratio_mean"] = float(np.mean(res["patch_ratio"]))
@@ -675,12 +676,12 @@ def main(argv: list[str] | None = None) -> int:
                               "fold_seconds": s["fold_seconds"], "patch_ratio": s["patch_ratio"],
                               "ri_seconds": s["ri_seconds"], "search": s["search"], "coefficients": s["coefficients"],
                               "layer_alphas": s["layer_alphas"]} for s in res["steps"]],
-                   "diag": res["diag"]}
+                   "diag": res["diag"], "ran_params": res["ran_params"]}
             if want_uad:
                 run["uad"] = uad(order, res, ev, order[0], log)
                 shutil.rmtree(res["run"], ignore_errors=True)
             f = run["final"]
-            log(f"  final ACC {f['ACC']:.1f} normACC {f['norm_ACC']:.1f} BWT {f['BWT']:.1f} G {f['G']:.2f} H {f['H']:.1f}")
+            log(f"  final ACC {f['ACC']:.1f} normACC {f['norm_ACC']:.1f} BWT {f['BWT']:.1f} (ref {f.get('BWT_ref', float('nan')):.1f}) G {f['G']:.2f} H {f['H']:.1f}")
             runs.append(run)
             # JSON first, after every run (an interrupted benchmark keeps its results), plots last
             save_outputs(document(), out)

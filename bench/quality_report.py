@@ -63,6 +63,97 @@ def recommended_row(doc: dict[str, Any]) -> dict[str, Any] | None:
             "H": float(np.mean([r["final"]["H"] for r in rs])), "orders": len(rs)}
 
 
+def backward_transfer(order: list[str], final_acc: dict[str, float], diag: dict[str, float]) -> dict[str, float]:
+    """BWT under both conventions, from the accuracy matrix's last row and its diagonal.
+
+    ``BWT`` (ours, METHODS.md): mean over the T − 1 earlier tasks j < T of a_{T,j} − a_{j,j}.
+    ``BWT_ref`` (FusionBench / the OPCM and DOP papers): the same sum divided by T (the last task's
+    a_{T,T} − a_{T,T} = 0 counted in the mean), i.e. BWT · (T − 1)/T. Both 0.0 for one task.
+
+    Args:
+        order: the tasks in fold order (T of them). final_acc: a_{T,j} per task (percent).
+        diag: a_{j,j}, each task's accuracy right after its own fold (percent).
+    """
+    t = len(order)
+    if t < 2:
+        return {"BWT": 0.0, "BWT_ref": 0.0}
+    total = float(sum(final_acc[j] - diag[j] for j in order[:-1]))
+    return {"BWT": total / (t - 1), "BWT_ref": total / t}
+
+
+def bwt_ref_of(run: dict[str, Any]) -> float:
+    """A run's reference-convention BWT: stored, or (rows written before it was) BWT · (T − 1)/T."""
+    f = run["final"]
+    if "BWT_ref" in f:
+        return float(f["BWT_ref"])
+    t = len(run["order"])
+    return float(f["BWT"]) * (t - 1) / t if t > 1 else 0.0
+
+
+#: policies whose final model is a function of the set of experts, not of their order (Task
+#: Arithmetic, Iso-C, Iso-CTS, weight averaging), and the variants that keep that (RI and coefficient
+#: searches depend on the order): their final-model metrics are equal for every order by
+#: construction, so their rows say so instead of a spread of 0. BWT and a_jj still depend on the order.
+ORDER_FREE = frozenset({"task_arithmetic", "iso_c", "iso_cts", "weight_average"})
+ORDER_FREE_VARIANTS = ("", "+lines")
+#: a task whose expert gains fewer points than this over the base with the expert's head gets no
+#: gain share (the ratio of two small differences is noise)
+MIN_GAIN = 1.0
+
+
+def order_free(run: dict[str, Any]) -> bool:
+    """Whether a run's final model cannot depend on its order (see :data:`ORDER_FREE`)."""
+    return run["policy"] in ORDER_FREE and run["variant"] in ORDER_FREE_VARIANTS
+
+
+def gain_share(merged: float, expert: float, base_head: float) -> float | None:
+    """Percent of the expert's gain over the base with its head that the merged model keeps:
+    100 · (merged − base+head) / (expert − base+head); None when the gain is under :data:`MIN_GAIN`."""
+    gain = expert - base_head
+    return None if gain < MIN_GAIN else 100.0 * (merged - base_head) / gain
+
+
+def final_acc_of(run: dict[str, Any]) -> dict[str, float]:
+    """a_{T,j} per task: the last step's accuracies."""
+    return run["steps"][-1]["acc"]
+
+
+def ran_params_text(run: dict[str, Any]) -> str:
+    """The params cell: every parameter the row ran with when the run stored them (``ran_params``),
+    else the ones it was given, marked (the others were the defaults of its time)."""
+    if run.get("ran_params"):
+        return ", ".join(f"{k}={v}" for k, v in run["ran_params"].items())
+    given = ", ".join(f"{k}={v}" for k, v in run["params"].items())
+    return (given + "; " if given else "") + "others: the defaults when it ran"
+
+
+def gain_table(doc: dict[str, Any]) -> list[str]:
+    """Per task and on average, the share of the expert's gain each row's final model recovers."""
+    tasks, ref = doc["protocol"]["tasks"], doc["references"]
+    kept = [t for t in tasks if gain_share(0.0, ref["expert_acc"][t], ref["base_head_acc"][t]) is not None]
+    out = ["", "## Share of the expert's gain recovered", "",
+           "100 · (merged − base+head) / (expert − base+head) per task for the final model, mean over orders: "
+           "with LP-FT heads the unchanged base with an expert's head already scores near the expert on some "
+           f"tasks, which compresses ACC. Tasks whose expert gains under {MIN_GAIN:g} point over base+head show – "
+           "and are left out of the mean.", "",
+           "| policy | " + " | ".join(tasks) + " | mean |", "| --- |" + " ---: |" * (len(tasks) + 1)]
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in doc["runs"]:
+        groups.setdefault(label(r), []).append(r)
+    for name, rs in groups.items():
+        cells, means = [], []
+        for t in tasks:
+            if t not in kept:
+                cells.append("–")
+                continue
+            v = float(np.mean([gain_share(final_acc_of(r)[t], ref["expert_acc"][t], ref["base_head_acc"][t])
+                               for r in rs]))
+            means.append(v)
+            cells.append(f"{v:.0f}")
+        out.append(f"| {name} | " + " | ".join(cells) + (f" | {np.mean(means):.0f} |" if means else " | – |"))
+    return out
+
+
 def label(run: dict[str, Any]) -> str:
     """A run's row label: policy + variant (``opcm+lines``)."""
     return run["policy"] + run["variant"]
@@ -113,27 +204,43 @@ def write_md(doc: dict[str, Any], path: Path) -> None:
               "model's, mean over folds 2..T of the file order, in patch format 1 and in format 2 with zstd (v2); "
               "RI s = seconds of the RI pre-step per expert "
               "(the first expert of an order has no earlier heads, so RI leaves it unchanged).", "",
-              "| policy | params | ACC | norm ACC | BWT | G | H | fold s | RI s | patch/model | patch/model v2 | UAD |",
-              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              "BWT = mean over the earlier tasks j < T of a_Tj − a_jj (ours); BWT ref = the same sum divided by "
+              "T, the convention of FusionBench and the OPCM/DOP papers (= BWT · (T − 1)/T); a_jj = mean accuracy "
+              "of each task right after its own fold (a low a_jj makes a positive BWT easy).", "",
+              "Order-free rows (Task Arithmetic, Iso-C, Iso-CTS, weight averaging, alone or with LiNeS: the final "
+              "model is a function of the set of experts) show their final-model metrics without a spread: they "
+              "are equal for every order by construction.", "",
+              "| policy | params | ACC | norm ACC | BWT | BWT ref | a_jj | G | H | fold s | RI s | patch/model | patch/model v2 | UAD |",
+              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in doc["runs"]:
         groups.setdefault(label(r), []).append(r)
     for name, rs in groups.items():
-        def cell(key: str, rs=rs) -> str:
-            v = [r["final"][key] for r in rs]
-            return f"{np.mean(v):.1f}" + (f" ± {np.std(v):.1f}" if len(v) > 1 else "")
+        free = all(order_free(r) for r in rs)
+
+        def cell(key: str, rs=rs, free=free) -> str:
+            if key == "BWT_ref":
+                v = [bwt_ref_of(r) for r in rs]
+            elif key == "a_jj":
+                v = [float(np.mean([r["diag"][t] for t in r["order"]])) for r in rs]
+            else:
+                v = [r["final"][key] for r in rs]
+            spread = len(v) > 1 and not (free and key in ("ACC", "norm_ACC", "G", "H"))
+            return f"{np.mean(v):.1f}" + (f" ± {np.std(v):.1f}" if spread else "")
         u = next((r["uad"]["UAD"] for r in rs if r.get("uad")), None)
         pr = next((r["final"]["patch_ratio_mean"] for r in rs if r["final"].get("patch_ratio_mean") is not None), None)
         pr2 = next((r["final"]["patch_ratio_v2_mean"] for r in rs if r["final"].get("patch_ratio_v2_mean") is not None),
                    None)
         ri_s = [r["final"]["ri_seconds_mean"] for r in rs if r["final"].get("ri_seconds_mean") is not None]
-        params = ", ".join(f"{k}={v}" for k, v in rs[0]["params"].items())
-        lines.append(f"| {name} | {params} | {cell('ACC')} | {cell('norm_ACC')} | {cell('BWT')} | {cell('G')} | "
+        params = ran_params_text(rs[0]) + ("; order-free" if free and len(rs) > 1 else "")
+        lines.append(f"| {name} | {params} | {cell('ACC')} | {cell('norm_ACC')} | {cell('BWT')} | {cell('BWT_ref')} | "
+                     f"{cell('a_jj')} | {cell('G')} | "
                      f"{cell('H')} | {np.mean([r['final']['fold_seconds_mean'] for r in rs]):.1f} | "
                      + (f"{np.mean(ri_s):.1f}" if ri_s else "–") + " | "
                      + (f"{pr:.3f}" if pr is not None else "–") + " | "
                      + (f"{pr2:.3f}" if pr2 is not None else "–") + " | "
                      + (f"{u:.2f}" if u is not None else "–") + " |")
+    lines += gain_table(doc)
     lines += gains_table(doc["runs"])
     planned = doc.get("planned_runs")
     if planned:

@@ -167,3 +167,15 @@ def test_safe_merge_with_iso_alpha_merges_its_masked_updates_isotropically(tmp_p
         torch.testing.assert_close(small[name], b + 1.3 * isotropic(sum(ds)), rtol=1e-5, atol=1e-6)
     assert PolicyConfig(name="safe_merge", params={"iso_alpha": 1.3}).unmerge_mode == "replay"
     assert PolicyConfig(name="safe_merge").unmerge_mode == "subtract"
+
+
+def test_iso_cts_with_no_task_specific_share_is_iso_c_over_all_singular_values():
+    """Iso-CTS with common_fraction = 1 keeps only the common subspace (all d directions of the sum):
+    it is Iso-C with the reference's rank convention (σ̄ over all min(m, n) values)."""
+    from mergestream.policies.iso_cts import iso_cts
+
+    g = torch.Generator().manual_seed(3)
+    taus = torch.randn(3, 9, 6, generator=g)
+    torch.testing.assert_close(iso_cts(taus, 1.0), isotropic(taus.sum(0), full=True), rtol=1e-5, atol=1e-6)
+    # with a task-specific share each task keeps directions of its own: the result differs
+    assert float((iso_cts(taus, 0.5) - isotropic(taus.sum(0), full=True)).abs().max()) > 1e-3

@@ -51,6 +51,8 @@ POLICY_PARAMS = {
     "magmax": {},
     "dop": {},
     "iso_c": {},
+    "iso_cts": {},
+    "weight_average": {},
 }
 NO_TORCH = "import sys; sys.modules['torch'] = None; from mergestream.patches.cli import main; main()"
 

@@ -106,7 +106,7 @@ def test_json_is_written_before_the_plots_and_survives_a_plot_error(tmp_path):
     saved = json.loads((tmp_path / "quality.json").read_text())
     assert saved["plot_error"] == "RuntimeError: no display" and saved["runs"] == _doc()["runs"]
     md = (tmp_path / "quality.md").read_text()
-    assert "| dop | alpha=0.8 |" in md and "overrides: dop.alpha=0.8" in md
+    assert "| dop | alpha=0.8; others: the defaults when it ran |" in md and "overrides: dop.alpha=0.8" in md
 
 
 def test_from_json_rerenders_with_real_plots(tmp_path):
@@ -243,3 +243,74 @@ def test_a_changed_grid_is_tuned_again_unless_runs_used_the_old_value():
     assert quality.stale_grid(entry, [0.5, 1.0], "safe_merge", runs, "+iso")
     with pytest.raises(S.BenchInputError, match="GRID changed"):
         quality.stale_grid(entry, [0.5, 1.0], "safe_merge", runs + [{"policy": "safe_merge", "variant": "+iso"}], "+iso")
+
+
+def test_bwt_is_reported_under_both_conventions_on_a_small_accuracy_matrix():
+    """a (3 tasks, fold order a, b, c): a_aa = 90, a_bb = 80, a_cc = 70; after the last fold a = 84,
+    b = 77, c = 70. Ours: ((84 − 90) + (77 − 80)) / 2 = −4.5; the reference's: the same sum / 3 = −3."""
+    got = R.backward_transfer(["a", "b", "c"], {"a": 84.0, "b": 77.0, "c": 70.0}, {"a": 90.0, "b": 80.0, "c": 70.0})
+    assert got == {"BWT": pytest.approx(-4.5), "BWT_ref": pytest.approx(-3.0)}
+    assert R.backward_transfer(["a"], {"a": 50.0}, {"a": 60.0}) == {"BWT": 0.0, "BWT_ref": 0.0}
+    res = {"final_acc": {"a": 84.0, "b": 77.0, "c": 70.0}, "diag": {"a": 90.0, "b": 80.0, "c": 70.0}, "G": 80.0,
+           "fold_seconds": [1.0]}
+    s = quality.summarise(["a", "b", "c"], res, {"a": 95.0, "b": 85.0, "c": 75.0})
+    assert s["BWT"] == pytest.approx(-4.5) and s["BWT_ref"] == pytest.approx(-3.0)
+
+
+def test_table_shows_the_reference_bwt_also_for_rows_written_before_it(tmp_path):
+    """A stored row with BWT_ref renders it; an older row without it gets BWT · (T − 1)/T."""
+    doc = _doc()
+    R.write_md(doc, tmp_path / "old.md")
+    assert "| BWT | BWT ref |" in (tmp_path / "old.md").read_text()
+    assert "| -2.0 | -1.0 | 80.0 |" in (tmp_path / "old.md").read_text()  # T = 2: −2 · 1/2; a_jj (90 + 70)/2
+    doc["runs"][0]["final"]["BWT_ref"] = -0.7
+    R.write_md(doc, tmp_path / "new.md")
+    assert "| -2.0 | -0.7 |" in (tmp_path / "new.md").read_text()
+
+
+def _two_orders(doc, policy, finals, variant=""):
+    """``doc`` with ``policy`` run in two orders whose final accuracies are ``finals`` (two dicts)."""
+    runs = []
+    for seed, (order, fa) in zip((None, 1), finals):
+        steps = [{"t": 1, "task": order[0], "acc": {order[0]: 91.0}, "G": 80.0, "fold_seconds": 1.0,
+                  "patch_ratio": None, "ri_seconds": None},
+                 {"t": 2, "task": order[1], "acc": fa, "G": 79.0, "fold_seconds": 1.0, "patch_ratio": None,
+                  "ri_seconds": None}]
+        acc = sum(fa.values()) / 2
+        runs.append({"policy": policy, "variant": variant, "order_seed": seed, "order": order, "params": {"alpha": 2.0},
+                     "ran_params": {"alpha": 2.0, "lambda": 0.2, "rank": "numerical"},
+                     "final": {"ACC": acc, "BWT": -1.0 - (seed or 0), "G": 79.0, "H": R.hmean(acc, 79.0),
+                               "norm_ACC": 95.0, "fold_seconds_mean": 1.0},
+                     "steps": steps, "diag": {order[0]: 91.0, order[1]: fa[order[1]]}})
+    doc["runs"] += runs
+    return doc
+
+
+def test_order_free_rows_say_so_instead_of_a_zero_spread_and_list_every_parameter(tmp_path):
+    same = {"sms": 88.0, "trec": 70.0}
+    doc = _two_orders(_doc(), "iso_c", [(["sms", "trec"], same), (["trec", "sms"], same)])
+    doc = _two_orders(doc, "iso_c", [(["sms", "trec"], same), (["trec", "sms"], {"sms": 86.0, "trec": 70.0})],
+                      variant="+ri")
+    R.write_md(doc, tmp_path / "q.md")
+    rows: dict[str, str] = {}
+    for line in (tmp_path / "q.md").read_text().splitlines():
+        if line.startswith("| iso_c"):
+            rows.setdefault(line.split(" | ")[0][2:], line)  # the final-model table comes first
+    free = rows["iso_c"]
+    assert "alpha=2.0, lambda=0.2, rank=numerical; order-free" in free
+    assert "| 79.0 | 95.0 | -1.5 ± 0.5 |" in free  # ACC, norm ACC without a spread; BWT keeps its own
+    assert "order-free" not in rows["iso_c+ri"] and "± 0.0" in rows["iso_c+ri"]  # RI depends on the order
+
+
+def test_gain_share_table_per_task_and_on_average(tmp_path):
+    """sms: expert 95, base+head 50, merged 88 → 84 %; trec: expert 80, base+head 20, merged 70 → 83 %;
+    a task whose expert gains under a point over base+head gets –."""
+    assert R.gain_share(88.0, 95.0, 50.0) == pytest.approx(100 * 38 / 45)
+    assert R.gain_share(89.2, 89.6, 89.2) is None
+    doc = _doc()
+    R.write_md(doc, tmp_path / "q.md")
+    text = (tmp_path / "q.md").read_text()
+    assert "## Share of the expert's gain recovered" in text and "| dop | 84 | 83 | 84 |" in text
+    doc["references"]["base_head_acc"]["trec"] = 79.5
+    R.write_md(doc, tmp_path / "q2.md")
+    assert "| dop | 84 | – | 84 |" in (tmp_path / "q2.md").read_text()

@@ -22,15 +22,17 @@ from .conftest import perturb, random_model, save_tensors
 POLICIES = [("task_arithmetic", {"lambda": 0.7}), ("task_arithmetic", {"lambda": 0.5, "k": 30}),
             ("ties", {"k": 30}), ("safe_merge", {"steps": 3, "k": 4, "k_s": 4, "rank": 2, "k_old": 4}),
             ("mdm_oc", {"alpha": 0.5}), ("mdm_oc", {"alpha": 0.5, "rank": 4}), ("opcm", {"alpha": 0.5}),
-            ("magmax", {"lambda": 0.5}), ("dop", {"alpha": 0.7}), ("dop", {"solver": "adam", "steps": 3})]
+            ("magmax", {"lambda": 0.5}), ("dop", {"alpha": 0.7}), ("dop", {"solver": "adam", "steps": 3}),
+            ("weight_average", {})]
 IDS = [f"{p}-{'-'.join(f'{k}{v}' for k, v in q.items())}" for p, q in POLICIES]
 
 
 def test_every_registered_policy_is_covered():
     """Every policy subtracts (the tests below) or refuses subtract and names replay (Iso-C, whose state
-    is the running sum of τ: tests/test_iso_c.py checks the refusal and its replay)."""
+    is the running sum of τ: tests/test_iso_c.py checks the refusal and its replay; Iso-CTS, whose state
+    holds every τ merged together; OPCM with scope=global: tests/test_conformance.py)."""
     refusing = {n for n in REGISTRY if not make_policy(n).subtract_unmerge}
-    assert refusing == {"iso_c"}
+    assert refusing == {"iso_c", "iso_cts"}
     assert {p for p, _ in POLICIES} == set(REGISTRY) - refusing
 
 

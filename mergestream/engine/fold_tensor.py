@@ -63,7 +63,8 @@ class TensorFolder:
         self.read_state, self.aliases, self.where = read_state, aliases, where
         self.n_prev, self.prev_coeffs, self.dev = n_prev, prev_coeffs, dev
         self.first = cur is base_ck
-        self.search = pol.searches_coefficients()
+        # a coefficient search or a global scale writes the output once, after the pass, from the state
+        self.search = pol.searches_coefficients() or pol.scales_globally()
         self.lin = pol.linear_scale() if isinstance(exp, DenseExpert) else None
         self.compiled = False
         if self.lin is not None:

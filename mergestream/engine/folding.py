@@ -238,7 +238,11 @@ def _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, 
                 elif search:
                     coeffs, found = _optimise_coefficients(pol, base_ck, state_path, coeffs, list(prev_coeffs),
                                                            objective, dev)
-                if search:
+                elif pol.scales_globally():  # one λ_t for the whole model, from every tensor's new state
+                    read = _state_reader(state_path)
+                    coeffs = list(prev_coeffs) + [pol.global_scale(
+                        read(m.name) for m in metas if is_float_dtype(m.dtype) and m.name not in aliases)]
+                if search or pol.scales_globally():
                     _rewrite_from_state(pol, base_ck, state_path, coeffs, writer, dev, opts.threads, aliases)
                 finish_model(writer, base_ck, stage, contrib, untied=loader.untied)
             except BaseException:

@@ -17,14 +17,16 @@ from ..errors import PolicyError
 from .base import Policy, PolicyParams, TensorContext, TensorFold
 from .dop import Dop
 from .iso_c import IsoC
+from .iso_cts import IsoCts
 from .lines import Lines, split_lines_params, with_lines
 from .mdm_oc import MdmOc, cmaes_coefficients, stability_penalty
 from .opcm import Opcm
 from .safe_merge import SafeMerge
 from .task_arithmetic import MagMax, TaskArithmetic, Ties
+from .weight_average import WeightAverage
 
 REGISTRY: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (TaskArithmetic, Ties, SafeMerge, MdmOc, Opcm, MagMax, Dop, IsoC)
+    cls.name: cls for cls in (TaskArithmetic, Ties, SafeMerge, MdmOc, Opcm, MagMax, Dop, IsoC, IsoCts, WeightAverage)
 }
 
 #: The policy and parameters ``mergestream init``, the starter config, the daemon's config default and
@@ -51,6 +53,19 @@ def make_policy(name: str, params: dict[str, Any] | None = None) -> Policy:
     return with_lines(REGISTRY[name](own), lines)
 
 
+def reference_params(name: str) -> dict[str, Any] | None:
+    """The parameters of a policy's reference mode (conventions of FusionBench 0.2.33, checked by
+    tests/test_conformance.py), or None for a policy without a reference.
+
+    Raises:
+        PolicyError: unknown policy name.
+    """
+    if name not in REGISTRY:
+        raise PolicyError(f"unknown policy {name!r}; known: {', '.join(policy_names())}")
+    ref = REGISTRY[name].reference_params
+    return None if ref is None else dict(ref)
+
+
 def policy_names() -> list[str]:
     """The registered policy names, in registry order (the order of the README's table)."""
     return list(REGISTRY)
@@ -68,5 +83,5 @@ def parameter_names(name: str) -> list[str]:
 
 
 __all__ = ["REGISTRY", "Policy", "PolicyParams", "TensorContext", "TensorFold", "make_policy", "parameter_names",
-           "policy_names", "cmaes_coefficients", "stability_penalty", "Dop", "IsoC", "Lines", "MdmOc", "Opcm", "SafeMerge", "MagMax",
-           "TaskArithmetic", "Ties"]
+           "policy_names", "reference_params", "cmaes_coefficients", "stability_penalty", "Dop", "IsoC", "Lines", "MdmOc", "Opcm", "SafeMerge", "MagMax",
+           "TaskArithmetic", "Ties", "IsoCts", "WeightAverage"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -117,6 +117,10 @@ class Policy:
     #: and names ``replay``. A class default that an instance may narrow by its parameters
     #: (SAFE-Merge with ``iso_alpha``); ask an instance.
     subtract_unmerge: bool = True
+    #: the parameters that reproduce the reference implementation (FusionBench 0.2.33) on its
+    #: conventions, checked by tests/test_conformance.py on the fixtures of
+    #: bench/conformance_reference.py; None for a policy that has no reference there
+    reference_params: ClassVar[dict[str, Any] | None] = None
 
     def __init__(self, params: dict[str, Any] | PolicyParams | None = None):
         if isinstance(params, PolicyParams):
@@ -161,6 +165,22 @@ class Policy:
         e.g. ``"cmaes"`` or ``"adamerging"``), or None; with a search the engine writes the output
         once, from the state, after it."""
         return None
+
+    def scales_globally(self) -> bool:
+        """Capability: the fold's output is θ₀ + λ_t·(state) with one λ_t for the whole model, known
+        only after every tensor's state is computed (OPCM with ``scope=global``). The engine then
+        writes the output after its pass: λ_t = :meth:`global_scale` of the new states, recorded as
+        the fold's coefficient, and each tensor from :meth:`rebuild` with the coefficients."""
+        return False
+
+    def global_scale(self, states: Iterable[TensorState]) -> float:
+        """The whole-model coefficient λ_t from every float tensor's new state (see
+        :meth:`scales_globally`).
+
+        Raises:
+            NotImplementedError: a policy that does not scale globally.
+        """
+        raise NotImplementedError(f"policy {self.name} has no global scale")
 
     def refold_params(self, coefficient: float | None) -> dict[str, Any]:
         """Capability: the parameters that fold this expert again without an objective (replay),

@@ -30,6 +30,18 @@ Solvers:
   (MGDA, Sener & Koltun 2018, closed form for two objectives), smoothed by an EMA with rate
   ``ema_beta`` started at (α, 1 − α).
 
+Variants of the reference (FusionBench 0.2.33's ``dop_general.DOPMerging``, by the paper's
+authors; ``reference_params``, checked by tests/test_conformance.py): ``mgda=false`` weighs the two
+losses by the fixed (α, 1 − α) (DOP without MGDA); ``ema=false`` uses each step's MGDA weights as
+they are (DOP without the EMA). ``rank``: ``cover`` (ours, default) keeps the smallest r whose
+singular values reach ε of their sum; ``below`` (reference) keeps the ranks whose cumulative share
+is below ε, which drops the last real direction of a low-rank task vector (with ε = 1 it keeps
+rank − 1 of a rank-deficient side, and every nonzero pair but the last of a full-rank one). The
+reference runs ε = 0.99999 with the Adam solver. The MGDA weight of the two-objective min-norm
+problem is clipped to [0.001, 0.999] at its ends, as in the MGDA authors' code that the reference
+uses. Our default solver and ε are ours: the closed form is the minimiser the Adam loop
+approaches; the quality benchmark (bench/results/quality.md) ran with them.
+
 Special cases (tested): the first fold is the expert itself (X = τ, θ₁ = θ_expert); α = 1 gives
 X = M + ½ (I − U_M U_Mᵀ)(τ − M)(I − V_M V_Mᵀ): the fold's update is orthogonal to both singular
 subspaces of the merged task vector. Other tensors (1-D, embeddings, the tied LM head) take the
@@ -61,25 +73,31 @@ class DopParams(PolicyParams):
     lr: float = Field(1e-4, gt=0, description="Adam learning rate (solver=adam)")
     mgda: bool = Field(True, description="MGDA loss weights with an EMA (solver=adam)")
     ema_beta: float = Field(0.999, ge=0, le=1, description="EMA rate of the MGDA weights (solver=adam)")
+    ema: bool = Field(True, description="smooth the MGDA weights with an EMA (solver=adam, mgda=true)")
+    rank: Literal["cover", "below"] = Field("cover", description="subspace: ranks reaching ε (ours) or below ε (reference)")
 
 
-def principal_subspace(delta: Tensor, epsilon: float) -> tuple[Tensor, Tensor, Tensor]:
+def principal_subspace(delta: Tensor, epsilon: float, rule: str = "cover") -> tuple[Tensor, Tensor, Tensor]:
     """Top singular block of a task vector.
 
     Args:
         delta: (m, n) float tensor.
         epsilon: 0 < ε ≤ 1, the fraction of Σ singular values to keep.
+        rule: ``cover``: r the smallest rank with Σ_{k≤r} s_k ≥ ε Σ s_k; ``below`` (the reference's
+            searchsorted): r the number of ranks whose cumulative share is < ε.
 
     Returns:
-        U (m, r), S (r,), V (n, r) in ``delta``'s dtype; r the smallest rank with
-        Σ_{k≤r} s_k ≥ ε Σ s_k (r = 0 for a zero matrix).
+        U (m, r), S (r,), V (n, r) in ``delta``'s dtype (r = 0 for a zero matrix).
     """
     u, s, vh = torch.linalg.svd(delta, full_matrices=False)
     total = float(s.sum())
     if total <= 0:
         return u[:, :0], s[:0], vh[:0].T
     share = torch.cumsum(s, 0) / total
-    r = min(int((share < epsilon * (1 - 1e-12)).sum()) + 1, s.shape[0])
+    if rule == "below":
+        r = int((share < epsilon).sum())
+    else:
+        r = min(int((share < epsilon * (1 - 1e-12)).sum()) + 1, s.shape[0])
     return u[:, :r], s[:r], vh[:r].T
 
 
@@ -99,7 +117,7 @@ def projection_loss(x: Tensor, target: Tensor, u: Tensor, s: Tensor, v: Tensor, 
 
 
 def _sides(m: Tensor, tau: Tensor, p: DopParams) -> list[tuple[Tensor, Tensor, Tensor, Tensor]]:
-    return [(t, *principal_subspace(t, p.epsilon)) for t in (m, tau)]
+    return [(t, *principal_subspace(t, p.epsilon, p.rank)) for t in (m, tau)]
 
 
 def dop_objective(x: Tensor, merged: Tensor, tau: Tensor, params: DopParams) -> float:
@@ -185,12 +203,14 @@ def solve_exact(merged: Tensor, tau: Tensor, params: DopParams) -> Tensor:
 
 
 def _min_norm_two(g1: Tensor, g2: Tensor) -> float:
-    """Weight γ of g1 in the min-norm point γ g1 + (1−γ) g2 of the segment (MGDA, two objectives)."""
-    diff = g1 - g2
-    dd = float((diff * diff).sum())
-    if dd == 0:
-        return 0.5
-    return min(1.0, max(0.0, float((g2 * (g2 - g1)).sum()) / dd))
+    """Weight γ of g1 in the min-norm point γ g1 + (1−γ) g2 of the segment (MGDA, two objectives;
+    Sener & Koltun 2018, Algorithm 1), 0.999 / 0.001 at the segment's ends as in their code."""
+    v11, v12, v22 = float((g1 * g1).sum()), float((g1 * g2).sum()), float((g2 * g2).sum())
+    if v12 >= v11:
+        return 0.999
+    if v12 >= v22:
+        return 0.001
+    return (v22 - v12) / (v11 + v22 - 2 * v12)
 
 
 def solve_adam(merged: Tensor, tau: Tensor, params: DopParams) -> tuple[Tensor, list[float]]:
@@ -214,8 +234,11 @@ def solve_adam(merged: Tensor, tau: Tensor, params: DopParams) -> tuple[Tensor, 
             if params.mgda:
                 grads = [torch.autograd.grad(li, x, retain_graph=True)[0] / max(float(li.detach()), 1e-30) for li in losses]
                 g = _min_norm_two(grads[0], grads[1])
-                w = [params.ema_beta * w[0] + (1 - params.ema_beta) * g,
-                     params.ema_beta * w[1] + (1 - params.ema_beta) * (1 - g)]
+                if params.ema:
+                    w = [params.ema_beta * w[0] + (1 - params.ema_beta) * g,
+                         params.ema_beta * w[1] + (1 - params.ema_beta) * (1 - g)]
+                else:
+                    w = [g, 1 - g]
             loss = w[0] * losses[0] + w[1] * losses[1]
             history.append(float(loss.detach()))
             opt.zero_grad()
@@ -232,6 +255,8 @@ class Dop(Policy):
 
     name = "dop"
     Params = DopParams
+    reference_params = {"solver": "adam", "epsilon": 0.99999, "rank": "below", "steps": 200, "lr": 1e-4,
+                        "ema_beta": 0.999}
 
     def fold_tensor(self, base: Tensor, backbone: Tensor, tau: Tensor, state: TensorState,
                     ctx: TensorContext) -> TensorFold:

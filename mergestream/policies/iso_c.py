@@ -26,6 +26,22 @@ Other tensors (biases, norms: 1-D; embedding matrices and a tied LM head, whose 
 tokens rather than a shared input space — our choice, the paper's encoders have no token
 embeddings) take task arithmetic's Δ_t = λ·τ with their own coefficient ``lambda``.
 
+Conventions of the reference implementation (FusionBench 0.2.33's ``iso_c``, a port of the
+authors' code; ``reference_params``, checked by tests/test_conformance.py), each a parameter:
+
+- ``rank``: ``numerical`` (ours, default) keeps only the directions whose singular values exceed
+  10⁻⁶ σ_max and averages over them; ``full`` (reference) averages over all min(m, n) singular
+  values and gives every singular pair σ̄, so a rank-deficient sum's near-zero directions are
+  filled in at σ̄ (with whatever basis the SVD returns for them: not reproducible across
+  libraries when the sum is rank deficient).
+- ``others``: ``sum`` (ours, default) Δ = λ·Σ τ for 1-D tensors and the tensors kept out of the
+  isotropic merge; ``mean`` (reference) α·(1/t) Σ τ, α the same scaling as the matrices'.
+- ``embeddings``: ``task_arithmetic`` (ours, default) treats embedding matrices and a tied LM head
+  like 1-D tensors (``others``); ``isotropic`` (reference) merges every 2-D tensor isotropically.
+
+Our defaults are the ones measured on the quality benchmark (bench/results/quality.md, where α and
+λ were tuned with them); the reference's conventions have not been run there.
+
 Cost: one eigendecomposition of the smaller Gram matrix of every weight matrix per fold (float64,
 O(m·n·min(m, n))): a fraction of a second per MiniLM matrix, but minutes per 4096 × 11008 matrix on a
 CPU, so for 7B-class models run folds with ``--device cuda``.
@@ -36,6 +52,8 @@ experts from their raw task vectors and gives the "never merged" model byte for 
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 from pydantic import Field
@@ -49,9 +67,13 @@ class IsoCParams(PolicyParams):
     alpha: float = Field(2.0, gt=0, description="scaling α of the isotropic merged update σ̄·U Vᵀ (2-D weights)")
     lam: float = Field(0.2, alias="lambda", ge=0,
                        description="task arithmetic's λ for the other tensors (1-D, embeddings)")
+    rank: Literal["numerical", "full"] = Field("numerical", description="σ̄ over the numerical rank (ours) or all min(m, n) values (reference)")
+    others: Literal["sum", "mean"] = Field("sum", description="other tensors: λ·Σ τ (ours) or α·mean τ (reference)")
+    embeddings: Literal["task_arithmetic", "isotropic"] = Field(
+        "task_arithmetic", description="embedding matrices as the other tensors (ours) or isotropic (reference)")
 
 
-def isotropic(m: Tensor, rtol: float = 1e-6) -> Tensor:
+def isotropic(m: Tensor, rtol: float = 1e-6, *, full: bool = False) -> Tensor:
     """σ̄ · U_r V_rᵀ for a 2-D float32 matrix M (m × n) with thin SVD M = U Σ Vᵀ: its singular vectors
     kept, its singular values all replaced by their mean (Iso-C, Marczak et al. ICML 2025, §4.1).
 
@@ -61,10 +83,16 @@ def isotropic(m: Tensor, rtol: float = 1e-6) -> Tensor:
     eigendecomposition of the smaller Gram matrix (MᵀM or MMᵀ, float64): U_r V_rᵀ = M V_r Σ_r⁻¹ V_rᵀ,
     about 6x faster than a full SVD of a 2048 × 5504 matrix on the bench machine.
 
+    With ``full`` (the reference's convention): σ̄ is the mean of all min(m, n) singular values and
+    every singular pair of a float64 thin SVD is kept, near-zero ones included.
+
     Returns:
         float32 (m × n); its nonzero singular values all equal σ̄ (all zero for M = 0).
     """
     md = m.double()
+    if full:
+        u, s_all, vh = torch.linalg.svd(md, full_matrices=False)
+        return (u * s_all.mean()).matmul(vh).to(torch.float32).contiguous()
     tall = md.shape[0] >= md.shape[1]
     a = md if tall else md.T  # (p, q), p ≥ q
     w, v = torch.linalg.eigh(a.T @ a)  # ascending σ², (q,); V (q, q)
@@ -83,26 +111,41 @@ def state_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
 
 
-def merges_isotropically(t: Tensor, ctx: TensorContext) -> bool:
-    """Whether a tensor takes the isotropic merge: a 2-D weight with both sides ≥ 2, not an embedding."""
-    return t.ndim == 2 and min(t.shape) >= 2 and not ctx.is_embedding
+def merges_isotropically(t: Tensor, ctx: TensorContext, embeddings: bool = False) -> bool:
+    """Whether a tensor takes the isotropic merge: a 2-D weight with both sides ≥ 2, not an embedding
+    unless ``embeddings``."""
+    return t.ndim == 2 and min(t.shape) >= 2 and (embeddings or not ctx.is_embedding)
+
+
+def running_mean_fold(tau: Tensor, base: Tensor, backbone: Tensor, ctx: TensorContext, alpha: float) -> Tensor:
+    """Δ_t for θ_t = θ₀ + α·(1/t) Σ_{i≤t} τ_i, the earlier mean read from the backbone (θ_{t−1} − θ₀)/α.
+
+    Args:
+        tau: τ (float32, any shape; used in place). base / backbone: θ₀, θ_{t−1}. alpha: α > 0.
+
+    Returns:
+        Δ_t, float32, τ's shape.
+    """
+    n = ctx.n_previous
+    prev = (backbone - base).div_(alpha)
+    return tau.sub_(prev).div_(n + 1).mul_(alpha)
 
 
 def isotropic_fold(d: Tensor, base: Tensor, backbone: Tensor, state: TensorState, ctx: TensorContext,
-                   alpha: float) -> tuple[Tensor, Tensor]:
+                   alpha: float, full: bool = False) -> tuple[Tensor, Tensor]:
     """One fold of the running isotropic merge θ_t = θ₀ + α·iso(Σ d_i) (see the module docstring).
 
     Args:
         d: this fold's update to sum (float32, m × n; Iso-C: τ, SAFE-Merge: its D); used in place.
         base / backbone: θ₀, θ_{t−1} (float32, m × n). state: ``sum`` from the previous fold, if any.
-        alpha: α.
+        alpha: α. full: :func:`isotropic`'s ``full`` (the reference's rank convention).
 
     Returns:
         Δ_t = α σ̄ U_r V_rᵀ − (θ_{t−1} − θ₀) (float32) and the new running sum (:func:`state_dtype`).
     """
     total = d if "sum" not in state else d.add_(state["sum"].to(torch.float32))
     kept = total.to(state_dtype(ctx.dtype))
-    merged = isotropic(kept.to(torch.float32)).mul_(alpha)
+    merged = isotropic(kept.to(torch.float32), full=full).mul_(alpha)
     return merged.sub_(backbone).add_(base), kept
 
 
@@ -113,6 +156,7 @@ class IsoC(Policy):
     Params = IsoCParams
     #: the running sum cannot drop one expert's τ (see the module docstring): replay only
     subtract_unmerge = False
+    reference_params = {"rank": "full", "others": "mean", "embeddings": "isotropic"}
 
     def fold_tensor(self, base: Tensor, backbone: Tensor, tau: Tensor, state: TensorState,
                     ctx: TensorContext) -> TensorFold:
@@ -126,7 +170,10 @@ class IsoC(Policy):
         Returns:
             :class:`TensorFold` with Δ_t (float32, S) and the new ``sum`` for 2-D weights.
         """
-        if not merges_isotropically(tau, ctx):
-            return TensorFold(tau.mul_(self.params.lam))
-        delta, kept = isotropic_fold(tau, base, backbone, state, ctx, self.params.alpha)
+        p = self.params
+        if not merges_isotropically(tau, ctx, p.embeddings == "isotropic"):
+            if p.others == "mean":
+                return TensorFold(running_mean_fold(tau, base, backbone, ctx, p.alpha))
+            return TensorFold(tau.mul_(p.lam))
+        delta, kept = isotropic_fold(tau, base, backbone, state, ctx, p.alpha, p.rank == "full")
         return TensorFold(delta, {"sum": kept})

@@ -106,6 +106,8 @@ class Lines(Policy):
         self.coefficient_param = inner.coefficient_param  # type: ignore[misc]
         self.contributions_in_state = inner.contributions_in_state  # type: ignore[misc]
         self.subtract_unmerge = inner.subtract_unmerge  # type: ignore[misc]
+        if inner.scales_globally():
+            raise PolicyError(f"policy {inner.name}: LiNeS cannot wrap a whole-model rescale (scope=global)")
 
     def is_identity(self) -> bool:
         """λ = 1 for every tensor (α = 1, β = 0)."""

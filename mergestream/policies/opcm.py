@@ -10,7 +10,28 @@ M_{t−1} = Δ_{t−1} / λ_{t−1} (paper §4.1-4.2):
 3. M_t = M_{t−1} + τ', rescaled so that the merged task vector's norm is the running mean of the
    experts' ‖τ‖ (adaptive scaling): λ_t = mean_i ‖τ_i‖ / ‖M_t‖, θ_t = θ₀ + λ_t M_t.
 
-Other tensors skip the projection (τ' = τ). Norms are per tensor — our choice. State per tensor
+Other tensors skip the projection (τ' = τ). Norms are per tensor — our choice.
+
+Conventions of the reference (FusionBench 0.2.33's ``opcm_general.OPCM``, by the paper's authors;
+``reference_params``, checked by tests/test_conformance.py), each a parameter:
+
+- ``scope``: ``tensor`` (ours, default) rescales each tensor by its own norms; ``global``
+  (reference) uses one λ_t for the whole model, the mean of the experts' whole-model ‖τ‖ over the
+  whole-model ‖M_t‖. A global λ needs every tensor's M_t before any is written, so the fold runs
+  in two steps: each tensor's M_t goes into the state (one float32 copy of the model, replaced at
+  each fold), then the engine takes λ_t from the state's norms (:meth:`Opcm.global_scale`) and
+  writes θ₀ + λ_t M_t (:meth:`Opcm.rebuild`); λ_t is the fold's recorded coefficient. ``subtract``
+  unmerge is refused in this scope (``replay`` only), and an offline ``merge`` too.
+- ``zero_diagonal``: also remove the diagonal of Uᵀ τ V beyond the block (every u_iᵀ τ v_i, i ≥ r),
+  as the reference does (undocumented in the paper); default off.
+- ``rank``: ``cover`` (ours, default) r = the smallest rank whose singular values hold ≥ α of
+  their sum; ``above`` (reference) r = the number of ranks whose share is ≤ α (one pair fewer).
+- ``project``: ``matrices`` (ours, default) projects every 2-D tensor; ``linear`` (reference)
+  leaves embedding matrices and a tied LM head unprojected (FusionBench projects ``nn.Linear``
+  weights only).
+
+Our defaults are the ones measured on the quality benchmark (bench/results/quality.md); the
+reference's conventions have not been run there. State per tensor
 (float32): ``norms`` (k,) of ‖τ_i‖, ``lams`` (k,) of λ_i after each fold i, and ``lam`` (1,) = λ_{t−1}
 (the last of ``lams``; kept for states written before ``lams``).
 
@@ -25,14 +46,49 @@ when one fold remains (λ₁ = 1: M₁ = τ₁); otherwise its ``lam`` stays as 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Literal
+
 import torch
 from pydantic import Field
 
+from ..errors import PolicyError
 from .base import Policy, PolicyParams, Tensor, TensorContext, TensorFold, TensorState
 
 
 class OpcmParams(PolicyParams):
     alpha: float = Field(0.5, gt=0, le=1, description="energy fraction of M_{t−1}'s dominant singular block")
+    scope: Literal["tensor", "global"] = Field("tensor", description="norm rescale per tensor (ours) or whole model (reference)")
+    zero_diagonal: bool = Field(False, description="also remove the diagonal of Uᵀ τ V beyond the block (reference)")
+    rank: Literal["cover", "above"] = Field("cover", description="block: ranks reaching α (ours) or one fewer (reference)")
+    project: Literal["matrices", "linear"] = Field("matrices", description="project every 2-D tensor (ours) or not embeddings (reference)")
+
+
+def block_rank(s: Tensor, alpha: float, rule: str) -> int:
+    """The size r of the dominant singular block of singular values ``s`` (descending, (k,)).
+
+    ``cover``: the smallest r with Σ_{i≤r} s_i ≥ α Σ s; ``above``: the number of i with
+    Σ_{j≤i} s_j ≤ α Σ s (the reference's argmax(share > α)).
+    """
+    energy = torch.cumsum(s, 0) / s.sum().clamp_min(1e-30)
+    if rule == "above":
+        over = energy > alpha
+        return int(over.to(torch.int8).argmax()) if bool(over.any()) else 0
+    return int(torch.searchsorted(energy, torch.tensor(alpha, dtype=energy.dtype))) + 1
+
+
+def project_off(tau: Tensor, merged_prev: Tensor, p: OpcmParams) -> Tensor:
+    """τ' = τ without its components on M_{t−1}'s dominant block (and the diagonal, with
+    ``zero_diagonal``): step 2 of the module docstring. Float32 (m, n) in, float32 (m, n) out."""
+    u, s, vh = torch.linalg.svd(merged_prev, full_matrices=False)
+    r = block_rank(s, p.alpha, p.rank)
+    ur, vr = u[:, :r], vh[:r].T
+    out = tau - ur @ (ur.T @ tau @ vr) @ vr.T
+    if p.zero_diagonal and r < s.shape[0]:
+        ud, vd = u[:, r:], vh[r:].T
+        diag = ((ud.T @ tau) * vd.T).sum(1)  # u_iᵀ τ v_i, i ≥ r
+        out -= (ud * diag) @ vd.T
+    return out
 
 
 class Opcm(Policy):
@@ -40,9 +96,78 @@ class Opcm(Policy):
 
     name = "opcm"
     Params = OpcmParams
+    reference_params = {"scope": "global", "zero_diagonal": True, "rank": "above", "project": "linear"}
+
+    def __init__(self, params: dict | OpcmParams | None = None):
+        """Parameters as :class:`OpcmParams`; ``scope=global`` narrows the unmerge to ``replay``."""
+        super().__init__(params)
+        if self.params.scope == "global":  # the state holds M_t: the fold's contribution is not kept
+            self.subtract_unmerge = False
+            self.contributions_in_state = True
+
+    def scales_globally(self) -> bool:
+        """Capability: the fold writes θ₀ + λ_t M_t after its pass, λ_t from :meth:`global_scale`."""
+        return self.params.scope == "global"
+
+    def global_scale(self, states: Iterable[TensorState]) -> float:
+        """λ_t = mean_i ‖τ_i‖ / ‖M_t‖ over the whole model (``scope=global``).
+
+        Args:
+            states: every float tensor's new state: ``tau_sq`` (t,) ‖τ_i‖² of this tensor per fold,
+                ``merged`` M_t (float32, its shape).
+
+        Returns:
+            λ_t (0.0 for M_t = 0).
+        """
+        tau_sq, m_sq = None, 0.0
+        for st in states:
+            t = st["tau_sq"].double()
+            tau_sq = t if tau_sq is None else tau_sq + t
+            m_sq += float(st["merged"].double().square().sum())
+        if tau_sq is None or m_sq == 0.0:
+            return 0.0
+        return float(tau_sq.sqrt().mean()) / m_sq ** 0.5
+
+    def rebuild(self, base: Tensor, state: TensorState, coefficients: list[float]) -> Tensor | None:
+        """θ_t = θ₀ + λ_t M_t (``scope=global``; λ_t the last coefficient), else None."""
+        if self.params.scope != "global":
+            return None
+        return base + coefficients[-1] * state["merged"]
+
+    def merge_tensor(self, base: Tensor, taus: list[Tensor], ctx: TensorContext) -> Tensor:
+        """Offline merge by folding in memory (per-tensor scope only).
+
+        Raises:
+            PolicyError: ``scope=global`` (the global λ needs the whole model: fold instead).
+        """
+        if self.params.scope == "global":
+            raise PolicyError("opcm with scope=global rescales the whole model at once: fold the experts one "
+                              "by one (mergestream fold) instead of merge")
+        return super().merge_tensor(base, taus, ctx)
+
+    def _fold_global(self, base: Tensor, backbone: Tensor, tau: Tensor, state: TensorState,
+                     ctx: TensorContext) -> TensorFold:
+        """``scope=global``: M_t = M_{t−1} + τ' into the state, Δ_t from λ_t written by the engine."""
+        if ctx.n_previous and "merged" not in state:
+            raise PolicyError(f"opcm scope=global: the state of {ctx.name} was written with scope=tensor; "
+                              "a stream keeps its scope (start a new state)")
+        tau_sq = torch.cat([state.get("tau_sq", tau.new_zeros(0)), tau.new_tensor([float(tau.double().square().sum())])])
+        if "merged" not in state:
+            merged = tau.clone()
+        else:
+            merged_prev = state["merged"]
+            if tau.ndim == 2 and min(tau.shape) > 1 and not (self.params.project == "linear" and ctx.is_embedding):
+                tau = project_off(tau, merged_prev, self.params)
+            merged = merged_prev + tau
+        return TensorFold(torch.zeros_like(tau), {"tau_sq": tau_sq, "merged": merged})
 
     def fold_tensor(self, base: Tensor, backbone: Tensor, tau: Tensor, state: TensorState,
                     ctx: TensorContext) -> TensorFold:
+        if self.params.scope == "global":
+            return self._fold_global(base, backbone, tau, state, ctx)
+        if "merged" in state:
+            raise PolicyError(f"opcm scope=tensor: the state of {ctx.name} was written with scope=global; "
+                              "a stream keeps its scope (start a new state)")
         norms = state.get("norms", tau.new_zeros(0))
         norms = torch.cat([norms, norms.new_tensor([float(tau.norm())])])
         if ctx.n_previous == 0 or "lam" not in state or float(state["lam"][0]) == 0.0:
@@ -51,12 +176,8 @@ class Opcm(Policy):
         else:
             prev_delta = backbone - base
             merged_prev = prev_delta / float(state["lam"][0])
-            if tau.ndim == 2 and min(tau.shape) > 1:
-                u, s, vh = torch.linalg.svd(merged_prev, full_matrices=False)
-                energy = torch.cumsum(s, 0) / s.sum().clamp_min(1e-30)
-                r = int(torch.searchsorted(energy, torch.tensor(self.params.alpha, dtype=energy.dtype))) + 1
-                ur, vr = u[:, :r], vh[:r].T
-                tau = tau - ur @ (ur.T @ tau @ vr) @ vr.T
+            if tau.ndim == 2 and min(tau.shape) > 1 and not (self.params.project == "linear" and ctx.is_embedding):
+                tau = project_off(tau, merged_prev, self.params)
             merged = merged_prev.add_(tau)
         mnorm = float(merged.norm())
         lam = float(norms.mean()) / mnorm if mnorm > 0 else 0.0

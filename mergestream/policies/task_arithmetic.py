@@ -15,6 +15,19 @@ Continual forms (one expert at a time): Δ_{t−1}/λ is treated as one task vec
 number n of experts it holds, τ as the other. For TA this is exactly the offline sum; for MagMax
 it is exact as well (max is associative); for TIES it is an approximation of offline TIES (the
 earlier experts' trimmed entries are re-trimmed as one vector) — our choice, per METHODS.md.
+
+Conventions of the reference implementation (FusionBench 0.2.33, checked by
+tests/test_conformance.py; ``reference_params`` of each class):
+
+- MagMax ``tie``: on an exact tie of magnitudes the later expert wins (``last``, the authors'
+  released code, our default) or the earlier one stays (``first``).
+- TIES ``continual``: ``merged`` (ours, default) re-merges θ₀ + λ·TIES(Δ_{t−1}/λ with weight n, τ);
+  ``accumulate`` (FusionBench's continual TIES) adds λ·TIES(Δ_{t−1}, τ) onto θ_{t−1}, the first fold
+  being λ·τ untrimmed, and elects a zero sign sum by the tensor's majority sign.
+  ``disjoint``: the disjoint ``mean`` (the paper's, default) or ``sum`` (the reference's continual
+  setting). ``trim``: keep int(k%·n) entries (``floor``, default) or int(k%·n) + 1 (``plus_one``, the
+  reference's kthvalue threshold). The reference trims over the whole flattened model; we trim per
+  tensor (a streaming fold never holds the whole model): the two agree on one-tensor models only.
 """
 
 from __future__ import annotations
@@ -28,8 +41,8 @@ from .base import Policy, PolicyParams, Tensor, TensorContext, TensorFold, Tenso
 from .masks import top_mask
 
 
-def trim_top_k(tau: Tensor, k_percent: float, *, inplace: bool = False) -> Tensor:
-    """Keep the ``int(k/100 · numel)`` entries of largest |τ| (exactly), zero the rest (TIES step 1).
+def trim_top_k(tau: Tensor, k_percent: float, *, inplace: bool = False, extra: int = 0) -> Tensor:
+    """Keep the ``int(k/100 · numel) + extra`` entries of largest |τ| (exactly), zero the rest (TIES step 1).
 
     The selection is :func:`.masks.top_mask` (a sampled bracket around the threshold, never a sort
     or a full top-k of a large tensor). Temporaries: |τ| (freed after the selection) and boolean
@@ -39,6 +52,7 @@ def trim_top_k(tau: Tensor, k_percent: float, *, inplace: bool = False) -> Tenso
         tau: float tensor of any shape.
         k_percent: keep ratio in percent, 0..100; 100 returns τ unchanged.
         inplace: zero τ's own entries instead of returning a new tensor.
+        extra: entries kept beyond int(k/100 · numel) (1: the reference's count, ``trim=plus_one``).
 
     Returns:
         τ's shape and dtype: τ itself when ``inplace``, else a new tensor.
@@ -47,7 +61,7 @@ def trim_top_k(tau: Tensor, k_percent: float, *, inplace: bool = False) -> Tenso
     if k_percent >= 100:
         return out
     flat = out.reshape(-1)
-    keep = int(k_percent / 100.0 * flat.numel())
+    keep = min(int(k_percent / 100.0 * flat.numel()) + extra, flat.numel())
     if keep <= 0:
         return out.zero_()
     return out.mul_(top_mask(flat.abs(), keep).view_as(out))
@@ -80,12 +94,36 @@ def disjoint_mean(trimmed: list[Tensor], weights: list[float], sign: Tensor) -> 
     return torch.where(den > 0, num / den.clamp_min(torch.finfo(den.dtype).tiny), torch.zeros_like(num))
 
 
-def max_magnitude(values: list[Tensor]) -> Tensor:
-    """MagMax: per entry, the value of largest magnitude (first wins on ties)."""
+def max_magnitude(values: list[Tensor], tie: str = "last") -> Tensor:
+    """MagMax: per entry, the value of largest magnitude; on an exact tie the later value wins
+    (``tie="last"``, the authors' code) or the earlier one stays (``"first"``)."""
     out = values[0].clone()
     for v in values[1:]:
-        out = torch.where(v.abs() > out.abs(), v, out)
+        out = torch.where(v.abs() >= out.abs() if tie == "last" else v.abs() > out.abs(), v, out)
     return out
+
+
+def ties_accumulate(prev: Tensor, tau: Tensor, mean: bool = False) -> Tensor:
+    """The reference's continual TIES update of two trimmed task vectors: the disjoint sum (or, with
+    ``mean``, the mean over the nonzero agreeing values) of the values agreeing with the elected sign
+    sign(prev + τ), where a zero sum takes the tensor's majority sign sign(Σ sign(prev + τ)) (and,
+    where that is 0 too, negative values agree).
+
+    Args:
+        prev, tau: trimmed Δ_{t−1} and τ, float32, same shape.
+
+    Returns:
+        float32, their shape.
+    """
+    sign = torch.sign(prev + tau)
+    sign[sign == 0] = torch.sign(sign.sum())
+    out = torch.zeros_like(prev)
+    count = torch.zeros_like(prev)
+    for t in (prev, tau):
+        kept = torch.where(torch.where(sign > 0, t > 0, t < 0), t, torch.zeros_like(t))
+        out.add_(kept)
+        count.add_((kept != 0).to(count.dtype))
+    return out.div_(count.clamp_min_(1.0)) if mean else out
 
 
 def _ties_two(prev_t: Tensor, tau_t: Tensor, n: float, lam: float, backbone: Tensor, base: Tensor) -> Tensor:
@@ -117,6 +155,10 @@ class GeneralizedTaskArithmetic(Policy):
 
     consensus: ClassVar[Literal["sum", "ties", "max"]] = "sum"
 
+    def _trim(self, t: Tensor, *, inplace: bool = False) -> Tensor:
+        extra = 1 if getattr(self.params, "trim", "floor") == "plus_one" else 0
+        return trim_top_k(t, self.params.k, inplace=inplace, extra=extra)
+
     def _merge(self, taus: list[Tensor], weights: list[float]) -> Tensor:
         k = self.params.k
         if self.consensus == "sum":
@@ -124,10 +166,13 @@ class GeneralizedTaskArithmetic(Policy):
             for t, w in zip(taus, weights):
                 out.add_(trim_top_k(t, k) if k < 100 else t, alpha=w)
             return out
-        trimmed = [trim_top_k(t, k) for t in taus]
+        trimmed = [self._trim(t) for t in taus]
         if self.consensus == "max":
-            return max_magnitude(trimmed)
-        return disjoint_mean(trimmed, weights, elect_sign(trimmed, weights))
+            return max_magnitude(trimmed, self.params.tie)
+        sign = elect_sign(trimmed, weights)
+        if self.params.disjoint == "sum":
+            return sum(t * (torch.sign(t) == sign) for t in trimmed)
+        return disjoint_mean(trimmed, weights, sign)
 
     def linear_scale(self) -> float | None:
         """λ for Task Arithmetic without trim (Δ_t = λ·τ element-wise); None otherwise."""
@@ -145,18 +190,30 @@ class GeneralizedTaskArithmetic(Policy):
             if self.params.k < 100:
                 tau = trim_top_k(tau, self.params.k, inplace=True)
             return TensorFold(tau.mul_(lam))
+        if self.consensus == "ties" and self.params.continual == "accumulate":
+            if n == 0:  # the reference's first fold: λ·τ, untrimmed
+                return TensorFold(tau.mul_(lam))
+            prev = self._trim(backbone - base, inplace=True)  # Δ_{t−1} itself, not divided by λ
+            return TensorFold(ties_accumulate(prev, self._trim(tau, inplace=True),
+                                              self.params.disjoint == "mean").mul_(lam))
         if n == 0 or lam == 0:
             # one input: sign election and disjoint mean (or max) return the trimmed vector itself,
             # so skip their tensor-sized temporaries (τ is ours to modify: trimmed in place)
-            return TensorFold(trim_top_k(tau, self.params.k, inplace=True).mul_(lam))
+            return TensorFold(self._trim(tau, inplace=True).mul_(lam))
         prev = (backbone - base).div_(lam)  # τ_m of the n experts folded so far
         if self.consensus == "max":
-            trimmed = trim_top_k(tau, self.params.k, inplace=True)
-            delta = torch.where(trimmed.abs() > prev.abs(), trimmed - prev, torch.zeros_like(prev))
+            trimmed = self._trim(tau, inplace=True)
+            wins = trimmed.abs() >= prev.abs() if self.params.tie == "last" else trimmed.abs() > prev.abs()
+            delta = torch.where(wins, trimmed - prev, torch.zeros_like(prev))
             return TensorFold(delta.mul_(lam))
+        if self.params.disjoint == "sum":  # Σ of the agreeing values of n·prev and τ, as one merge
+            p_t, t_t = self._trim(prev, inplace=True), self._trim(tau, inplace=True)
+            sign = torch.where(p_t * n + t_t >= 0, 1.0, -1.0)
+            merged = (p_t * n) * (torch.sign(p_t) == sign) + t_t * (torch.sign(t_t) == sign)
+            return TensorFold(merged.mul_(lam).sub_(backbone).add_(base))
         # TIES: prev's buffer is trimmed in place and reused (two temporaries)
-        return TensorFold(_ties_two(trim_top_k(prev, self.params.k, inplace=True),
-                                    trim_top_k(tau, self.params.k, inplace=True), float(n), lam, backbone, base))
+        return TensorFold(_ties_two(self._trim(prev, inplace=True), self._trim(tau, inplace=True), float(n), lam,
+                                    backbone, base))
 
 
 class TaskArithmetic(GeneralizedTaskArithmetic):
@@ -165,11 +222,16 @@ class TaskArithmetic(GeneralizedTaskArithmetic):
     name = "task_arithmetic"
     consensus = "sum"
     Params = GeneralizedTaskArithmeticParams
+    reference_params = {"lambda": 0.3}
 
 
 class TiesParams(GeneralizedTaskArithmeticParams):
     lam: float = Field(1.0, alias="lambda", description="scaling coefficient λ")
     k: float = Field(20.0, ge=0, le=100, description="keep the top-k% magnitudes of each task vector")
+    continual: Literal["merged", "accumulate"] = Field(
+        "merged", description="merged: θ₀ + λ·TIES(Δ/λ weight n, τ) (ours); accumulate: θ_{t−1} + λ·TIES(Δ, τ) (reference)")
+    disjoint: Literal["mean", "sum"] = Field("mean", description="disjoint mean (paper) or sum of the agreeing values")
+    trim: Literal["floor", "plus_one"] = Field("floor", description="keep int(k%·n) entries, or one more (reference)")
 
 
 class Ties(GeneralizedTaskArithmetic):
@@ -178,10 +240,12 @@ class Ties(GeneralizedTaskArithmetic):
     name = "ties"
     consensus = "ties"
     Params = TiesParams
+    reference_params = {"continual": "accumulate", "disjoint": "sum", "trim": "plus_one", "lambda": 0.5, "k": 20}
 
 
 class MagMaxParams(GeneralizedTaskArithmeticParams):
     lam: float = Field(0.5, alias="lambda", description="scaling coefficient λ")
+    tie: Literal["last", "first"] = Field("last", description="on equal magnitudes the later (authors' code) or earlier expert wins")
 
 
 class MagMax(GeneralizedTaskArithmetic):
@@ -190,3 +254,4 @@ class MagMax(GeneralizedTaskArithmetic):
     name = "magmax"
     consensus = "max"
     Params = MagMaxParams
+    reference_params = {"tie": "last", "lambda": 0.5}
