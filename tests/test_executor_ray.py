@@ -355,3 +355,17 @@ def test_a_remembered_dead_cluster_is_refused(tmp_path, monkeypatch):
         ray_cluster.resolve_address("auto")
     monkeypatch.setenv("RAY_ADDRESS", addr)
     assert ray_cluster.resolve_address(None) == addr
+
+
+@pytest.mark.parametrize(("policy", "params"), [("opcm", {"alpha": 0.5, "scope": "global"}),
+                                                ("opcm", {"alpha": 0.5, **{"zero_diagonal": True, "rank": "above"}}),
+                                                ("iso_c", {}), ("iso_cts", {})],
+                         ids=["opcm-global", "opcm-reference-projection", "iso_c", "iso_cts"])
+def test_reference_modes_with_a_global_reduction_fold_the_same_on_ray(cluster, models, tmp_path, policy, params):
+    """OPCM's whole-model rescale (scope=global): the tasks write the per-tensor state, the driver
+    takes λ_t over every tensor's state and writes the output from it, as the local fold does."""
+    bpath, experts = models
+    out_l, st_l = _chain(tmp_path, "local", bpath, experts, policy, params)
+    out_r, st_r = _chain(tmp_path, "ray", bpath, experts, policy, params, executor=make_executor("ray", group_bytes=GROUP))
+    assert _files(out_r) == _files(out_l)
+    assert _state_bytes(st_r) == _state_bytes(st_l)
