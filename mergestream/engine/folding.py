@@ -198,9 +198,11 @@ def _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, 
                 with shared_cores(1 if lin is not None else worker_threads(opts.threads), dev):
                     # a remote executor maps the float tensors elsewhere (from the spec); frozen ones,
                     # the order and the hash stay here
+                    # an element-wise (linear) fold has no reduction whose split the thread count could
+                    # change: its tasks take one CPU each, so that they run side by side
                     spec = FoldSpec(pol, _abs(base), None if first else _abs(cur.path), _abs(expert),
                                     _abs(sd.path), aliases, loader.where, n_prev, prev_coeffs, str(dev),
-                                    torch.get_num_threads())
+                                    1 if lin is not None else torch.get_num_threads())
                     parts = PartsPlan(writer.plan(), str(state_path), str(contrib_path) if contrib_path else None,
                                       eid, lin, _abs(expert)) if remote else None
                     job = TensorMap(
