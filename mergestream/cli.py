@@ -251,7 +251,7 @@ def _operator(config_path: str, verb: str, arg: str | None) -> None:
     from .daemon.ledger import Ledger
     from .daemon.store import Store
 
-    cfg = load_config(config_path)
+    cfg = load_config(config_path, check_policy=False)  # a running daemon checked its own
     store = Store(cfg.state_dir)
     if store.is_locked():
         ledger = Ledger(cfg.state_dir / "ledger.sqlite")
@@ -268,6 +268,7 @@ def _operator(config_path: str, verb: str, arg: str | None) -> None:
     else:
         from .daemon.service import Service
 
+        cfg = load_config(config_path)  # run here: the policy is checked as the daemon would
         svc = Service(cfg, serve_metrics=False, watch_sources=False)
         svc.start()
         try:
@@ -322,10 +323,10 @@ def status_cmd(config_path, as_json) -> None:
 
     from .config import load_config
     from .daemon.ledger import Ledger
-    from .daemon.sources.base import source_notes
+    from .daemon.notes import source_notes
     from .daemon.store import Store
 
-    cfg = load_config(config_path)
+    cfg = load_config(config_path, check_policy=False)
     store = Store(cfg.state_dir)
     ledger = Ledger(cfg.state_dir / "ledger.sqlite")
     experts = [{"id": e.expert_id, "status": e.status, "source": e.source, "uri": e.uri, "version": e.version,
@@ -361,7 +362,7 @@ def history_cmd(config_path, as_json) -> None:
     from .config import load_config
     from .daemon.ledger import Ledger
 
-    cfg = load_config(config_path)
+    cfg = load_config(config_path, check_policy=False)
     folds = Ledger(cfg.state_dir / "ledger.sqlite").folds()
     if as_json:
         click.echo(json.dumps(folds, indent=2))
@@ -501,9 +502,11 @@ def _report(rep, as_json: bool) -> None:
                    f" ({rep.bytes_written:,} bytes written{'; ' + extra if extra else ''})")
 
 
-#: One-shot verbs whose process ends as soon as they succeed (:func:`_exit_now`): everything they
-#: write is committed (fsynced and renamed) before they return.
-FAST_EXIT_VERBS = frozenset({"fold", "merge", "unmerge", "inspect"})
+#: Verbs whose process ends as soon as they succeed (:func:`_exit_now`): everything they write is
+#: committed (fsynced and renamed) before they return. ``run`` too: the daemon's shutdown has closed
+#: the ledger, released the lock and finished a pending feed build when it logs "daemon stopped";
+#: the interpreter's teardown of torch, MLflow and the probes' models after that took seconds.
+FAST_EXIT_VERBS = frozenset({"fold", "merge", "unmerge", "inspect", "run"})
 _succeeded: list[str] = []  # the FAST_EXIT_VERBS command that returned normally, if any
 
 
