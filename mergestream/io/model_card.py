@@ -34,8 +34,8 @@ from .paths import public_name
 from .st import CARD_NAME, FormatError, load_json, read_header, write_atomic
 #: Tags every card carries.
 TAGS = ("merge", "mergestream")
-#: Fields of the base's own card a merged model inherits (its terms and languages stay the base's).
-INHERITED = ("license", "license_name", "license_link", "language")
+#: Fields of the base's own card a merged model inherits (its terms, languages and task stay the base's).
+INHERITED = ("license", "license_name", "license_link", "language", "pipeline_tag")
 
 
 def provenance_of(folder: str | os.PathLike) -> dict[str, str]:
