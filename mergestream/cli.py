@@ -120,6 +120,7 @@ def _exec_options(device: str, threads: int, max_shard_bytes: int, executor: str
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="mergestream", prog_name="mergestream", message="%(prog)s %(version)s")
 @click.option("-v", "--verbose", count=True, help="more logging (-v info, -vv debug)")
 def cli(verbose: int) -> None:
     """mergestream: fold fine-tuned experts into a running backbone, continually."""
@@ -400,12 +401,14 @@ def retry_cmd(expert, config_path) -> None:
 @click.argument("paths", nargs=-1, required=True, type=click.Path())
 @click.option("--base", type=click.Path(), help="base θ₀: adds task-vector norms and pairwise cosines")
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
+@click.option("--no-hash", is_flag=True, help="headers only: skip the weights hash (it reads every tensor once)")
 @_fail_cleanly
-def inspect_cmd(paths, base, as_json) -> None:
-    """Tensor count, dtypes, bytes; with --base, ‖τ‖ and pairwise cosine between experts."""
+def inspect_cmd(paths, base, as_json, no_hash) -> None:
+    """Tensor count, dtypes, bytes, the weights hash (sha256, the content hash the ledger, the model
+    card, patches and the feed show); with --base, ‖τ‖ and pairwise cosine between experts."""
     from .engine import describe, task_vector_stats
 
-    infos = [describe(p) for p in paths]
+    infos = [describe(p, content_hash=not no_hash) for p in paths]
     stats = task_vector_stats(base, list(paths)) if base else None
     if as_json:
         click.echo(json.dumps({"checkpoints": infos, "task_vectors": stats}, indent=2))
@@ -413,6 +416,8 @@ def inspect_cmd(paths, base, as_json) -> None:
     for info in infos:
         dts = ", ".join(f"{k}: {v['tensors']} tensors / {v['bytes']:,} B" for k, v in info["dtypes"].items())
         click.echo(f"{info['path']}  [{info['kind']}]  {info['tensors']} tensors, {info['bytes']:,} bytes  ({dts})")
+        if "weights_sha256" in info:
+            click.echo(f"    weights sha256: {info['weights_sha256']}")
         for k, v in info["metadata"].items():
             click.echo(f"    {k} = {v}")
     if stats:

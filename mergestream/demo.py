@@ -473,7 +473,7 @@ def print_summary(res: DemoResult, console=None) -> None:
                       f"AutoModel.from_pretrained({str(model)!r})  (transformers)", soft_wrap=True)
 
 
-@click.command("demo")
+@click.command("demo", context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--policy", default=RECOMMENDED_POLICY, show_default=True, type=click.Choice(policy_names()),
               help="merge policy (default: the best measured on the quality benchmark, with its parameters)")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="policy parameter (repeatable)")
