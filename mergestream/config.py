@@ -41,18 +41,15 @@ from .patches.codec import FORMAT_NUMBERS
 from .recommended import RECOMMENDED_PARAMS, RECOMMENDED_POLICY
 from .redaction import redact_uris
 
-if TYPE_CHECKING:  # the policies import torch: loaded only when a policy is checked or built
+if TYPE_CHECKING:
     from .policies import Policy
 
-#: False while :func:`load_config` reads a config for a command that folds nothing (``status``,
-#: ``history``, ``rollback``): the policy is then taken as written, not built, and torch (which every
-#: policy imports) is not loaded. Every other load checks it.
+#: False while :func:`load_config` reads a config without building its policy (``check_policy``).
 _CHECK_POLICY: contextvars.ContextVar[bool] = contextvars.ContextVar("mergestream_check_policy", default=True)
 
 
 def _make_policy(name: str, params: dict[str, Any]) -> Policy:
-    from .policies import make_policy
-
+    from .policies import make_policy  # torch: loaded only when a policy is checked or built
     return make_policy(name, params)
 
 
@@ -562,10 +559,8 @@ def load_config(path: str | os.PathLike, *, check_policy: bool = True) -> Config
     quotes a secret: URIs are redacted (:mod:`mergestream.redaction`), YAML errors give a line and
     column, not the line.
 
-    Args:
-        check_policy: False for commands that fold nothing (``status``, ``history``, ``rollback``
-            sent to a running daemon): the policy name and parameters are kept as written, not
-            built, so torch is not imported (the daemon that folds checked them when it started).
+    ``check_policy`` False (``status``, ``history``, ``rollback`` sent to a running daemon): the
+    policy is kept as written, not built, and torch is not imported (the daemon checked it).
 
     Raises:
         ConfigError: missing/unreadable file, YAML syntax, a key repeated in one mapping (naming
