@@ -266,6 +266,10 @@ def _operator(config_path: str, verb: str, arg: str | None) -> None:
             time.sleep(0.2)
         else:
             raise MergestreamError(f"the daemon did not answer {verb} within an hour")
+    elif verb == "rollback":  # no daemon: the store and the ledger only (no probes, no torch)
+        from .daemon.rollback import rollback_here
+
+        result = {"ok": True, "message": rollback_here(cfg, int(arg))}
     else:
         from .daemon.service import Service
 

@@ -1,6 +1,6 @@
 """The operator's ledger verbs start without torch, and the daemon's process ends promptly.
 
-``status``, ``history`` and ``rollback`` (sent to a running daemon) read a SQLite ledger and a few
+``status``, ``history`` and ``rollback`` (sent to a running daemon, or run here when none runs) read a SQLite ledger and a few
 JSON files: they must not pay for importing torch (2-5 s on a loaded machine). Checked on the real
 CLI in a subprocess with ``python -X importtime``, which lists every module the process imported.
 The daemon, once it logged its last line ("daemon stopped"), exits within 2 s (the interpreter's
@@ -69,6 +69,17 @@ def test_ledger_verbs_import_no_torch_and_the_daemon_exits_promptly(tmp_path):
         assert ended - _last_log_time(d.log) < 2.0
     finally:
         d.stop()
+    # no daemon running: rollback runs here, on the store and the ledger only (no probes, no torch)
+    proc, mods = imported_modules("rollback", "--config", str(d.config), "--to", "2")
+    assert proc.returncode == 0 and "version 1 -> 2" in proc.stdout, proc.stderr[-2000:]
+    assert torch_modules(mods) == []
+    st = d.status()
+    assert st["current_version"] == 2 and not st["daemon_running"]
+    assert {x["id"]: x["status"] for x in st["experts"]} == {"first": "accepted", "second": "accepted"}
+    hist = json.loads(imported_modules("history", "--config", str(d.config), "--json")[0].stdout)
+    assert [(h["kind"], h["version"]) for h in hist][-2:] == [("rollback", 1), ("rollback", 2)]
+    bad, mods = imported_modules("rollback", "--config", str(d.config), "--to", "7")
+    assert bad.returncode == 2 and "version 7 does not exist" in bad.stderr and torch_modules(mods) == []
 
 
 def test_a_folding_verb_still_imports_torch_as_the_check_is_real(tmp_path):
