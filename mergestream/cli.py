@@ -245,7 +245,9 @@ def unmerge_cmd(expert, config_path, state_dir, expert_id, mode, out, backbone, 
 
 # -- the daemon and its operator commands ---------------------------------------------------------
 def _operator(config_path: str, verb: str, arg: str | None) -> None:
-    """Send a command to the running daemon (through the ledger), or run it here if none runs."""
+    """Send a command to the running daemon (through the ledger), or run it here if none runs: a
+    rollback on the store and the ledger only (:func:`~mergestream.daemon.rollback.rollback_here`),
+    an unmerge or a retry in a service started in this process."""
     import time
 
     from .config import load_config
