@@ -120,6 +120,7 @@ def _exec_options(device: str, threads: int, max_shard_bytes: int, executor: str
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="mergestream", prog_name="mergestream", message="%(prog)s %(version)s")
 @click.option("-v", "--verbose", count=True, help="more logging (-v info, -vv debug)")
 def cli(verbose: int) -> None:
     """mergestream: fold fine-tuned experts into a running backbone, continually."""
@@ -244,14 +245,16 @@ def unmerge_cmd(expert, config_path, state_dir, expert_id, mode, out, backbone, 
 
 # -- the daemon and its operator commands ---------------------------------------------------------
 def _operator(config_path: str, verb: str, arg: str | None) -> None:
-    """Send a command to the running daemon (through the ledger), or run it here if none runs."""
+    """Send a command to the running daemon (through the ledger), or run it here if none runs: a
+    rollback on the store and the ledger only (:func:`~mergestream.daemon.rollback.rollback_here`),
+    an unmerge or a retry in a service started in this process."""
     import time
 
     from .config import load_config
     from .daemon.ledger import Ledger
     from .daemon.store import Store
 
-    cfg = load_config(config_path)
+    cfg = load_config(config_path, check_policy=False)  # a running daemon checked its own
     store = Store(cfg.state_dir)
     if store.is_locked():
         ledger = Ledger(cfg.state_dir / "ledger.sqlite")
@@ -265,9 +268,14 @@ def _operator(config_path: str, verb: str, arg: str | None) -> None:
             time.sleep(0.2)
         else:
             raise MergestreamError(f"the daemon did not answer {verb} within an hour")
+    elif verb == "rollback":  # no daemon: the store and the ledger only (no probes, no torch)
+        from .daemon.rollback import rollback_here
+
+        result = {"ok": True, "message": rollback_here(cfg, int(arg))}
     else:
         from .daemon.service import Service
 
+        cfg = load_config(config_path)  # run here: the policy is checked as the daemon would
         svc = Service(cfg, serve_metrics=False, watch_sources=False)
         svc.start()
         try:
@@ -322,10 +330,10 @@ def status_cmd(config_path, as_json) -> None:
 
     from .config import load_config
     from .daemon.ledger import Ledger
-    from .daemon.sources.base import source_notes
+    from .daemon.notes import source_notes
     from .daemon.store import Store
 
-    cfg = load_config(config_path)
+    cfg = load_config(config_path, check_policy=False)
     store = Store(cfg.state_dir)
     ledger = Ledger(cfg.state_dir / "ledger.sqlite")
     experts = [{"id": e.expert_id, "status": e.status, "source": e.source, "uri": e.uri, "version": e.version,
@@ -361,7 +369,7 @@ def history_cmd(config_path, as_json) -> None:
     from .config import load_config
     from .daemon.ledger import Ledger
 
-    cfg = load_config(config_path)
+    cfg = load_config(config_path, check_policy=False)
     folds = Ledger(cfg.state_dir / "ledger.sqlite").folds()
     if as_json:
         click.echo(json.dumps(folds, indent=2))
@@ -399,12 +407,14 @@ def retry_cmd(expert, config_path) -> None:
 @click.argument("paths", nargs=-1, required=True, type=click.Path())
 @click.option("--base", type=click.Path(), help="base θ₀: adds task-vector norms and pairwise cosines")
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
+@click.option("--no-hash", is_flag=True, help="headers only: skip the weights hash (it reads every tensor once)")
 @_fail_cleanly
-def inspect_cmd(paths, base, as_json) -> None:
-    """Tensor count, dtypes, bytes; with --base, ‖τ‖ and pairwise cosine between experts."""
+def inspect_cmd(paths, base, as_json, no_hash) -> None:
+    """Tensor count, dtypes, bytes, the weights hash (sha256, the content hash the ledger, the model
+    card, patches and the feed show); with --base, ‖τ‖ and pairwise cosine between experts."""
     from .engine import describe, task_vector_stats
 
-    infos = [describe(p) for p in paths]
+    infos = [describe(p, content_hash=not no_hash) for p in paths]
     stats = task_vector_stats(base, list(paths)) if base else None
     if as_json:
         click.echo(json.dumps({"checkpoints": infos, "task_vectors": stats}, indent=2))
@@ -412,6 +422,8 @@ def inspect_cmd(paths, base, as_json) -> None:
     for info in infos:
         dts = ", ".join(f"{k}: {v['tensors']} tensors / {v['bytes']:,} B" for k, v in info["dtypes"].items())
         click.echo(f"{info['path']}  [{info['kind']}]  {info['tensors']} tensors, {info['bytes']:,} bytes  ({dts})")
+        if "weights_sha256" in info:
+            click.echo(f"    weights sha256: {info['weights_sha256']}")
         for k, v in info["metadata"].items():
             click.echo(f"    {k} = {v}")
     if stats:
@@ -501,9 +513,11 @@ def _report(rep, as_json: bool) -> None:
                    f" ({rep.bytes_written:,} bytes written{'; ' + extra if extra else ''})")
 
 
-#: One-shot verbs whose process ends as soon as they succeed (:func:`_exit_now`): everything they
-#: write is committed (fsynced and renamed) before they return.
-FAST_EXIT_VERBS = frozenset({"fold", "merge", "unmerge", "inspect"})
+#: Verbs whose process ends as soon as they succeed (:func:`_exit_now`): everything they write is
+#: committed (fsynced and renamed) before they return. ``run`` too: the daemon's shutdown has closed
+#: the ledger, released the lock and finished a pending feed build when it logs "daemon stopped";
+#: the interpreter's teardown of torch, MLflow and the probes' models after that took seconds.
+FAST_EXIT_VERBS = frozenset({"fold", "merge", "unmerge", "inspect", "run"})
 _succeeded: list[str] = []  # the FAST_EXIT_VERBS command that returned normally, if any
 
 

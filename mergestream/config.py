@@ -14,10 +14,11 @@ as written. A :class:`Config` built in code (not by :func:`load_config`) resolve
 
 from __future__ import annotations
 
+import contextvars
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import (
@@ -37,8 +38,19 @@ from pydantic_settings import (
 
 from .errors import MergestreamError, PolicyError
 from .patches.codec import FORMAT_NUMBERS
-from .policies import RECOMMENDED_PARAMS, RECOMMENDED_POLICY, Policy, make_policy, policy_names
+from .recommended import RECOMMENDED_PARAMS, RECOMMENDED_POLICY
 from .redaction import redact_uris
+
+if TYPE_CHECKING:
+    from .policies import Policy
+
+#: False while :func:`load_config` reads a config without building its policy (``check_policy``).
+_CHECK_POLICY: contextvars.ContextVar[bool] = contextvars.ContextVar("mergestream_check_policy", default=True)
+
+
+def _make_policy(name: str, params: dict[str, Any]) -> Policy:
+    from .policies import make_policy  # torch: loaded only when a policy is checked or built
+    return make_policy(name, params)
 
 
 class ConfigError(MergestreamError):
@@ -89,7 +101,7 @@ class ObjectiveConfig(_Section):
 class PolicyConfig(_Section):
     """The merge policy and its parameters (names as in METHODS.md)."""
 
-    name: str = Field(RECOMMENDED_POLICY, description=" | ".join(policy_names()))
+    name: str = Field(RECOMMENDED_POLICY, description="a registered policy name (`mergestream fold --help` lists them)")
     params: dict[str, Any] = Field(default_factory=dict, description="policy parameters, e.g. {lambda: 0.3}")
     unmerge_mode: Literal["subtract", "replay"] = Field(
         "subtract", description="how `unmerge EXPERT` removes an expert (default replay for a policy that cannot subtract)")
@@ -104,9 +116,9 @@ class PolicyConfig(_Section):
         even ``{}``, is kept)."""
         if isinstance(data, dict) and "name" not in data and "params" not in data:
             data = {**data, "params": dict(RECOMMENDED_PARAMS)}
-        if isinstance(data, dict) and "unmerge_mode" not in data:
+        if isinstance(data, dict) and "unmerge_mode" not in data and _CHECK_POLICY.get():
             try:
-                pol = make_policy(data.get("name", RECOMMENDED_POLICY), data.get("params") or {})
+                pol = _make_policy(data.get("name", RECOMMENDED_POLICY), data.get("params") or {})
             except Exception:  # noqa: BLE001 - any malformed name or params: reported by the checks below
                 return data
             if not pol.subtract_unmerge:  # e.g. Iso-C: replay is its only unmerge
@@ -115,7 +127,7 @@ class PolicyConfig(_Section):
 
     @model_validator(mode="after")
     def _unmerge_mode_fits(self) -> PolicyConfig:
-        if self.unmerge_mode == "subtract" and not self.make().subtract_unmerge:
+        if _CHECK_POLICY.get() and self.unmerge_mode == "subtract" and not self.make().subtract_unmerge:
             raise ValueError(f"policy {self.name} cannot unmerge by subtract (its state folds the experts "
                              "together): set policy.unmerge_mode: replay")
         return self
@@ -129,7 +141,8 @@ class PolicyConfig(_Section):
 
     @model_validator(mode="after")
     def _policy_exists(self) -> PolicyConfig:
-        self.make()  # an unknown name or a bad parameter is refused when the config loads, not per expert
+        if _CHECK_POLICY.get():
+            self.make()  # an unknown name or a bad parameter is refused when the config loads, not per expert
         return self
 
     def make(self) -> Policy:
@@ -139,7 +152,7 @@ class PolicyConfig(_Section):
             ValueError: unknown policy name or bad parameters (a config error, reported by pydantic).
         """
         try:
-            return make_policy(self.name, self.params)
+            return _make_policy(self.name, self.params)
         except PolicyError as exc:
             raise ValueError(str(exc)) from None
 
@@ -147,7 +160,7 @@ class PolicyConfig(_Section):
     def _ri_needs_data(self) -> PolicyConfig:
         if "ri" in self.preprocess and self.ri.data is None:
             raise ValueError("preprocess [ri] needs ri.data (a file of unlabeled auxiliary inputs)")
-        if self.make().searches_coefficients() == "adamerging" and self.ri.data is None:
+        if _CHECK_POLICY.get() and self.make().searches_coefficients() == "adamerging" and self.ri.data is None:
             raise ValueError("coefficients: adamerging learns on unlabeled inputs: set policy.ri.data (the RI "
                              "auxiliary data file; ri itself need not be in preprocess)")
         return self
@@ -413,7 +426,7 @@ class Config(BaseSettings):
     @model_validator(mode="after")
     def _cmaes_needs_data_probes(self) -> Config:
         p = self.policy
-        if p.make().searches_coefficients() == "cmaes" and \
+        if _CHECK_POLICY.get() and p.make().searches_coefficients() == "cmaes" and \
                 not any(q.type in ("classification", "sentence_similarity") for q in self.probes):
             raise ValueError(f"{p.name} with {p.params} searches its coefficients on the data probes: add a "
                              "classification and/or sentence_similarity probe")
@@ -540,11 +553,14 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
     return text
 
 
-def load_config(path: str | os.PathLike) -> Config:
+def load_config(path: str | os.PathLike, *, check_policy: bool = True) -> Config:
     """Read and validate a YAML config; environment overrides win. Relative paths (written,
     defaulted or from the environment) are resolved against the folder of ``path``. No message
     quotes a secret: URIs are redacted (:mod:`mergestream.redaction`), YAML errors give a line and
     column, not the line.
+
+    ``check_policy`` False (``status``, ``history``, ``rollback`` sent to a running daemon): the
+    policy is kept as written, not built, and torch is not imported (the daemon checked it).
 
     Raises:
         ConfigError: missing/unreadable file, YAML syntax, a key repeated in one mapping (naming
@@ -572,10 +588,13 @@ def load_config(path: str | os.PathLike) -> Config:
     odd = [k for k in data if not isinstance(k, str)]
     if odd:
         raise ConfigError(f"{p}: top-level key {odd[0]!r} is not a name: keys are words such as base, policy, gate")
+    token = _CHECK_POLICY.set(check_policy)
     try:
         cfg = Config(**data)
     except ValidationError as exc:
         errs = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}"
                          for e in exc.errors())
         raise ConfigError(f"{p}: {errs}") from None
+    finally:
+        _CHECK_POLICY.reset(token)
     return _resolve(cfg, p.resolve().parent)

@@ -58,6 +58,16 @@ DEMO_RECIPE: dict[str, Any] = {"epochs": 1}
 #: expert (own STS 29.7) only cost -2.2 after λ=0.3 and was accepted: not used.
 STS_GATE = {"max_abs_drop": 5.0, "base_max_abs_drop": 15.0}
 
+#: STS-B pairs the demo's general probe scores (the first N of 1379). All of them cost ~60 s of
+#: probing per candidate on 2 cores against a ~5 s fold; 400 pairs keep the probe within a few
+#: folds' time, and the gate's margins hold (the candidate and the current version are scored on
+#: the same pairs: the real folds moved STS by under 1 point, the harmful one by over 70; the
+#: scaled-down demo test runs this gate on 400 pairs). ``--sts-pairs 0`` scores all of them.
+DEMO_STS_PAIRS = 400
+
+#: Without a terminal the demo prints a line at least this often (s), even when nothing changed.
+HEARTBEAT_SECONDS = 10.0
+
 DEMO_CONFIG = """\
 # mergestream demo configuration (written by `mergestream demo`; a normal daemon config:
 # `mergestream run --config {config}` serves the same setup).
@@ -123,6 +133,7 @@ class DemoResult:
     tracking_uri: str = ""
     metrics_url: str | None = None
     seconds: float = 0.0
+    cpu_seconds: float = 0.0  # user + system CPU time of the whole demo (all its threads: training, folds, probes)
 
     def status(self, expert_id: str) -> str | None:
         for e in self.experts:
@@ -152,6 +163,7 @@ class _Demo:
         self.error: BaseException | None = None
         self.svc = None
         self.t0 = time.time()
+        self.cpu0 = time.process_time()
         self.stop = threading.Event()
 
     # -- setup ----------------------------------------------------------------------------------------
@@ -182,9 +194,13 @@ class _Demo:
         return cfg_path
 
     # -- threads --------------------------------------------------------------------------------------
-    def _daemon_loop(self) -> None:
+    def _daemon_loop(self, announce) -> None:
+        """Start the service (θ₀ is measured by the probes first), then run its loop; on the
+        demo's own thread, so that the view shows progress from the first second."""
         svc = self.svc
         try:
+            svc.start()
+            announce()
             while not svc.stopping.is_set():
                 if not svc.step():
                     svc.wake.wait(timeout=0.5)
@@ -227,6 +243,8 @@ class _Demo:
     def _note(self, name: str, msg: str) -> None:
         if msg.startswith("cached"):
             self.build[name] = "cached"
+        elif msg.startswith("training") and ": step " in msg:  # "training NAME: step 7/63, loss 1.2"
+            self.build[name] = "training " + msg.split(": ", 1)[1].split(",", 1)[0]
         elif msg.startswith("training"):
             self.build[name] = "training"
         elif msg.startswith("built"):
@@ -324,15 +342,19 @@ class _Demo:
         console = Console()
         plain = not live or not console.is_terminal  # a log file or a pipe: one line per change
         t0 = time.perf_counter()
+
+        def say(text: str) -> None:
+            console.print(f"[{time.perf_counter() - t0:4.0f}s] {text}", highlight=False, markup=False, soft_wrap=True)
+
+        def announce() -> None:  # the port may differ from --port when that one was taken
+            if self.svc.server is not None:
+                say(f"daemon ready; metrics: http://{self.cfg.metrics.host}:{self.svc.server.port}/metrics")
+
         try:
-            console.print(f"[{0:4.0f}s] starting the daemon: measuring θ₀ with the probes (STS-B, weight space); "
-                          f"the first expert trains meanwhile")
+            say("starting the daemon: measuring θ₀ with the probes (STS-B, weight space); the first expert "
+                "trains meanwhile")
             builder.start()  # training the first expert overlaps the daemon's measurement of θ₀
-            self.svc.start()
-            if self.svc.server is not None:  # the port may differ from --port when that one was taken
-                console.print(f"[{time.perf_counter() - t0:4.0f}s] metrics: "
-                              f"http://{self.cfg.metrics.host}:{self.svc.server.port}/metrics", soft_wrap=True)
-            daemon_t = threading.Thread(target=self._daemon_loop, name="demo-daemon", daemon=True)
+            daemon_t = threading.Thread(target=self._daemon_loop, args=(announce,), name="demo-daemon", daemon=True)
             daemon_t.start()
             if not plain:
                 from rich.live import Live
@@ -344,6 +366,7 @@ class _Demo:
                     lv.update(self.render())
             else:
                 seen: dict[str, str] = {}
+                last = time.perf_counter()
                 while True:
                     stop = self.stop.is_set() or self.done()
                     rows, _ = self.snapshot()
@@ -354,10 +377,13 @@ class _Demo:
                             self.build.get(spec.name, "waiting")
                         if seen.get(spec.name) != state:
                             seen[spec.name] = state
-                            console.print(f"[{time.perf_counter() - t0:4.0f}s] {spec.name}: {state}", highlight=False, markup=False,
-                                          soft_wrap=True)
+                            say(f"{spec.name}: {state}")
+                            last = time.perf_counter()
                     if stop:
                         break
+                    if time.perf_counter() - last >= HEARTBEAT_SECONDS:  # alive, even while nothing changes
+                        say(self.heartbeat(rows))
+                        last = time.perf_counter()
                     time.sleep(0.5)
             if self.error is not None:
                 raise self.error
@@ -373,6 +399,16 @@ class _Demo:
             root.handlers[:] = old_handlers
             root.setLevel(old_level)
 
+    def heartbeat(self, rows: dict[str, Any]) -> str:
+        """One line of what is going on (the plain view's sign of life between changes)."""
+        ready = self.svc is not None and self.svc.metrics.ready
+        busy = [f"{s.name}: {self.build[s.name]}" for s in self.specs
+                if s.name not in rows and self.build[s.name] not in ("waiting", "in inbox")]
+        folding = [e for e, r in rows.items() if r.status in ("pending", "folding")]
+        what = ["daemon: " + ("folding/probing " + ", ".join(folding) if folding else "idle") if ready
+                else "daemon: measuring θ₀ with the probes"] + busy
+        return "; ".join(what) + f"; CPU {time.process_time() - self.cpu0:.0f} s so far"
+
     def result(self) -> DemoResult:
         rows, folds = self.snapshot()
         metrics_url = None
@@ -387,7 +423,8 @@ class _Demo:
         return DemoResult(workdir=self.workdir, config=self.cfg_path, experts=exps, folds=folds,
                           versions=self.svc.store.numbers(), current=self.svc.store.current(),
                           tracking_uri=self.cfg.tracking_uri() if self.mlflow else "(disabled)",
-                          metrics_url=metrics_url, seconds=time.time() - self.t0)
+                          metrics_url=metrics_url, seconds=time.time() - self.t0,
+                          cpu_seconds=time.process_time() - self.cpu0)
 
 
 def demo_specs(tasks: list[str], *, harmful_at: int | None = None, probe_examples: int = 200,
@@ -403,13 +440,14 @@ def demo_specs(tasks: list[str], *, harmful_at: int | None = None, probe_example
 def run_demo(tasks: list[str] | None = None, *, workdir: str | os.PathLike = "mergestream-demo",
              policy: str = RECOMMENDED_POLICY, params: dict[str, Any] | None = None, cache: str | None = None,
              data: str | None = None, port: int = 9108, mlflow: bool = True, live: bool = True,
-             sts_max_pairs: int | None = None, probe_examples: int = 200, recipe: dict[str, Any] | None = None,
+             sts_max_pairs: int | None = DEMO_STS_PAIRS, probe_examples: int = 200, recipe: dict[str, Any] | None = None,
              harmful_recipe: dict[str, Any] | None = None, gate: dict[str, float] | None = None,
              evaluate: bool = False) -> DemoResult:
     """Run the demo and return what happened (also used by tests with a scaled-down recipe).
 
     ``evaluate``: also measure each expert the demo has to build on its whole test split and STS
     (slower; ``bench/experts.py`` does it, and the summary shows it for cached experts that have it).
+    ``sts_max_pairs``: STS-B pairs of the general probe (:data:`DEMO_STS_PAIRS`; None: all 1379).
     """
     X._offline()
     tasks = list(tasks or DEFAULT_TASKS)
@@ -431,8 +469,9 @@ def print_summary(res: DemoResult, console=None) -> None:
     accepted = [e for e in res.experts if e["status"] == "accepted"]
     rejected = [e for e in res.experts if e["status"] in ("rejected", "failed")]
     console.rule("summary")
-    console.print(f"finished in {res.seconds:.0f}s; versions published: {len(accepted)} "
-                  f"(kept {res.versions}, current = {res.current})")
+    console.print(f"finished in {res.seconds:.0f}s wall, {res.cpu_seconds:.0f} CPU s (training, folds and probes, "
+                  f"all threads; {res.cpu_seconds / max(res.seconds, 1e-9):.1f} cores busy on average); "
+                  f"versions published: {len(accepted)} (kept {res.versions}, current = {res.current})")
     t = Table(title="experts")
     # an expert's own test accuracy / STS are known when bench/experts.py built it (the demo skips them)
     measured = any(e["expert"].get("test_accuracy") is not None for e in res.experts)
@@ -473,7 +512,7 @@ def print_summary(res: DemoResult, console=None) -> None:
                       f"AutoModel.from_pretrained({str(model)!r})  (transformers)", soft_wrap=True)
 
 
-@click.command("demo")
+@click.command("demo", context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--policy", default=RECOMMENDED_POLICY, show_default=True, type=click.Choice(policy_names()),
               help="merge policy (default: the best measured on the quality benchmark, with its parameters)")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="policy parameter (repeatable)")
@@ -488,7 +527,9 @@ def print_summary(res: DemoResult, console=None) -> None:
 @click.option("--port", default=9108, show_default=True, type=int, help="metrics port (a free one if taken; 0: any)")
 @click.option("--no-mlflow", is_flag=True, help="do not log to MLflow")
 @click.option("--no-live", is_flag=True, help="no live view (logs only)")
-def demo_cmd(policy, sets, tasks, workdir, cache, data, port, no_mlflow, no_live) -> None:
+@click.option("--sts-pairs", default=DEMO_STS_PAIRS, show_default=True, type=click.IntRange(0),
+              help="STS-B pairs the general probe scores per candidate (0: all 1379; slower)")
+def demo_cmd(policy, sets, tasks, workdir, cache, data, port, no_mlflow, no_live, sts_pairs) -> None:
     """Run the daemon on real experts (MiniLM fine-tuned on real tasks) plus one harmful expert."""
     from .policies import make_policy
 
@@ -512,7 +553,7 @@ def demo_cmd(policy, sets, tasks, workdir, cache, data, port, no_mlflow, no_live
     if missing:
         raise click.ClickException(f"unknown task(s) {missing}; see {droot / 'tasks'}")
     res = run_demo(task_list, workdir=workdir, policy=policy, params=params, cache=cache, data=data, port=port,
-                   mlflow=not no_mlflow, live=not no_live)
+                   mlflow=not no_mlflow, live=not no_live, sts_max_pairs=sts_pairs or None)
     print_summary(res)
     bad = [e for e in res.experts if (e["harmful"] and e["status"] == "accepted")
            or (not e["harmful"] and e["status"] != "accepted")]

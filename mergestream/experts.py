@@ -434,6 +434,8 @@ def _train(spec: ExpertSpec, task: TaskData, base: Path, progress: bool, log: Ca
             sched.step()
             step += 1
             losses.append(loss.item())
+            if step == 1 or step == total or step % max(1, total // 10) == 0:  # a caller without a terminal sees it move
+                log(f"training {spec.name}: step {step}/{total}, loss {np.mean(losses[-20:]):.3f}")
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{np.mean(losses[-20:]):.3f}")

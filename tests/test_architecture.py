@@ -120,11 +120,12 @@ def test_dependencies_run_one_way(module):
 
 
 def test_policies_import_nothing_but_their_errors():
+    """... and the torch-free constants of the recommended policy, which the config reads without them."""
     graph = import_graph()
     for name, edges in graph.items():
         if name.startswith("mergestream.policies"):
             outside = {e for e in edges if not e.startswith("mergestream.policies")}
-            assert outside <= {"mergestream.errors"}, f"{name} imports {outside}"
+            assert outside <= {"mergestream.errors", "mergestream.recommended"}, f"{name} imports {outside}"
 
 
 def test_only_the_ray_executor_imports_ray():
@@ -155,7 +156,11 @@ def test_runtime_import_of_lower_layers_loads_no_daemon():
 #: side, the whole feed package (the fleet contract and the publisher) and the device agent
 TORCH_FREE = sorted(m for m in MODULES if m in {"mergestream", "mergestream.io", "mergestream.io.st", "mergestream.io.paths",
                                                  "mergestream.io.versions", "mergestream.patches",
-                                                 "mergestream.patches.codec", "mergestream.patches.build"}
+                                                 "mergestream.patches.codec", "mergestream.patches.build",
+                                                 "mergestream.io.model_card", "mergestream.recommended",
+                                                 # what the ledger verbs (status, history, rollback) load
+                                                 "mergestream.config", "mergestream.daemon.ledger",
+                                                 "mergestream.daemon.store", "mergestream.daemon.notes"}
                     or m.startswith(("mergestream.feed", "mergestream.agent")))
 
 

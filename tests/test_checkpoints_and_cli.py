@@ -194,6 +194,11 @@ def test_cli_fold_merge_unmerge_inspect(tmp_path, tiny_bert):
     assert abs(cos[0][0] - 1) < 1e-9 and abs(cos[0][1]) < 0.2
     text = run_cli("inspect", "--base", tiny_bert, *experts).stdout
     assert "pairwise cosine" in text and "float32" in text
+    # the weights hash inspect shows is the content hash the fold recorded for that expert
+    hashes = [c["weights_sha256"] for c in info["checkpoints"]]
+    assert hashes[0] == manifest["folds"][0]["sha256"] == open_checkpoint(experts[0]).sha256()
+    assert all(f"weights sha256: {h}" in text for h in hashes) and len(set(hashes)) == 3
+    assert "weights_sha256" not in json.loads(run_cli("inspect", "--no-hash", "--json", experts[0]).stdout)["checkpoints"][0]
     # bad input on every verb: one line, status 2, nothing written
     bad = run_cli("fold", "--base", tiny_bert, "--expert", experts[0], "--policy", "nope", "--state", tmp_path / "x",
                   "--out", tmp_path / "x-out", check=False)

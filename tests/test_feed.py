@@ -39,14 +39,15 @@ def _next_model(prev: dict[str, torch.Tensor], seed: int, density: float = 0.02)
     return out
 
 
-def make_store(root: Path, versions: int = 5, dtype: torch.dtype = torch.float32) -> Store:
+def make_store(root: Path, versions: int = 5, dtype: torch.dtype = torch.float32, density: float = 0.02) -> Store:
     """``versions`` published versions laid out as the daemon does: ``versions/N/model``,
-    ``versions/N/patch-from-<N-1>.safetensors``, ``fold.json``, ``current`` -> the last one."""
+    ``versions/N/patch-from-<N-1>.safetensors``, ``fold.json``, ``current`` -> the last one
+    (``density``: the fraction of each float tensor a version changes)."""
     store = Store(root)
     model = random_model(seed=1, dtype=dtype, m=64, n=48)
     for n in range(1, versions + 1):
         if n > 1:
-            model = _next_model(model, seed=n)
+            model = _next_model(model, seed=n, density=density)
         d = store.path(n)
         save_tensors(d / "model" / "model.safetensors", model, {"mergestream.policy": "ties"})
         (d / "model" / "config.json").write_text('{"model_type": "toy"}')
@@ -228,6 +229,22 @@ def test_cli_keygen_and_build_never_print_key_material(tmp_path):
     bad = run_cli("feed", "build", "--state-dir", store.root, "--out", tmp_path / "feed", "--keys", tmp_path / "nokeys",
                   check=False)
     assert bad.returncode == 2 and bad.stderr.startswith("error: ") and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_build_warns_when_patches_save_a_device_nothing(tmp_path, caplog):
+    """A policy that changes every weight at each fold makes patches as large as the model: the
+    build says so (logged, in the report, on the command line); sparse versions build silently."""
+    generate(tmp_path / "keys")
+    sparse = build_feed(make_store(tmp_path / "sparse", versions=3).root, tmp_path / "f1", tmp_path / "keys")
+    assert sparse["patch_warning"] is None
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    dense = make_store(tmp_path / "dense", versions=3, density=1.0)
+    with caplog.at_level("WARNING", logger="mergestream.feed.build"):
+        rep = build_feed(dense.root, tmp_path / "f2", tmp_path / "keys")
+    assert rep["patch_warning"] and "at least 90% of a full download (2 patch(es)" in rep["patch_warning"]
+    assert any(rep["patch_warning"] in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    proc = run_cli("feed", "build", "--state-dir", dense.root, "--out", tmp_path / "f3", "--keys", tmp_path / "keys")
+    assert f"warning: {rep['patch_warning']}" in proc.stdout
 
 
 def test_parse_duration():

@@ -6,6 +6,7 @@ formats do not."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -55,18 +56,24 @@ def _outputs(base: Path, tmp: Path) -> dict[str, Path]:
     out["unmerge replay"] = tmp / "replayed"
     engine.copy_base(base, tmp / "theta0")
     out["copy of θ₀"] = tmp / "theta0"
+    (tmp / "fold1" / "README.md").write_text("fold1's card, not fold2's")  # the patch must bring fold2's
     build_patch(tmp / "fold1", tmp / "fold2", tmp / "p.safetensors", source_version="1", target_version="2")
     apply_patch(tmp / "fold1", tmp / "p.safetensors", tmp / "patched")
     out["patch apply"] = tmp / "patched"
     return out
 
 
-def test_every_output_loads_with_sentence_transformers(st_base, tmp_path):
+@pytest.fixture(scope="module")
+def st_outputs(st_base, tmp_path_factory) -> dict[str, Path]:
+    return _outputs(st_base, tmp_path_factory.mktemp("outputs"))
+
+
+def test_every_output_loads_with_sentence_transformers(st_base, st_outputs):
     want = {str(p) for p in aux_files(st_base)}
-    assert "1_Pooling/config.json" in want and "modules.json" in want
+    assert "1_Pooling/config.json" in want and "modules.json" in want and "README.md" in want
     assert not any(p.startswith((".cache", "onnx")) or p == "pytorch_model.bin" for p in want)
     ref = st_lib.SentenceTransformer(str(st_base), device="cpu").encode(["a merged model still encodes"])
-    for kind, folder in _outputs(st_base, tmp_path).items():
+    for kind, folder in st_outputs.items():
         got = {str(p) for p in aux_files(folder)}
         assert got == want, f"{kind}: non-weight files {sorted(got ^ want)} differ from the base's"
         assert not (folder / "onnx").exists() and not (folder / ".cache").exists(), kind
@@ -75,6 +82,36 @@ def test_every_output_loads_with_sentence_transformers(st_base, tmp_path):
         assert [type(m).__name__ for m in model] == ["Transformer", "Pooling", "Normalize"], kind
         emb = model.encode(["a merged model still encodes"])
         assert emb.shape == ref.shape and float((emb * ref).sum()) > 0.9, kind
+
+
+def test_every_output_has_its_own_model_card(st_base, st_outputs):
+    """Hugging Face convention (parsed by huggingface_hub itself): base_model, library_name, the
+    base card's license and language, tags with merge and mergestream; then the policy, its
+    parameters and every expert in fold order with its content hash, all as the weights' own
+    metadata says. A patched model carries the target version's card, not the source's."""
+    from huggingface_hub import ModelCard
+
+    from mergestream import __version__
+    from mergestream.io.checkpoints import open_checkpoint
+
+    base_card = (st_base / "README.md").read_text()
+    for kind, folder in st_outputs.items():
+        text = (folder / "README.md").read_text()
+        assert text != base_card, kind
+        data = ModelCard(text).data.to_dict()
+        assert data["base_model"] == "base", kind
+        assert data["library_name"] == "sentence-transformers" and data["license"] == "apache-2.0", kind
+        assert data["language"] == "en" and {"merge", "mergestream"} <= set(data["tags"]), kind
+        with open_checkpoint(folder) as ck:
+            md = ck.metadata()
+        assert md["mergestream.base"] == "base" and md["mergestream.version"] == __version__, kind
+        assert md["mergestream.policy"] in data["tags"] and f"`{md['mergestream.policy']}`" in text, kind
+        assert f"mergestream {__version__}" in text, kind
+        ids, shas = json.loads(md["mergestream.experts"]), json.loads(md["mergestream.expert_sha256"])
+        rows = [line for line in text.splitlines() if line.startswith("| ") and line.split("|")[1].strip().isdigit()]
+        assert rows == [f"| {i} | `{e}` | `{h}` |" for i, (e, h) in enumerate(zip(ids, shas), 1)], kind
+    assert len(json.loads(open_checkpoint(st_outputs["fold"]).metadata()["mergestream.experts"])) == 2
+    assert (st_outputs["patch apply"] / "README.md").read_bytes() == (st_outputs["fold"] / "README.md").read_bytes()
 
 
 def test_tiny_llama_outputs_load_with_transformers(tiny_llama, tmp_path):

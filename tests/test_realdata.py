@@ -68,10 +68,14 @@ def test_expert_folder_layout_and_fold(tmp_path):
 
 
 @pytest.mark.slow
-def test_daemon_rejects_the_harmful_expert_and_accepts_real_ones(tmp_path):
+def test_daemon_rejects_the_harmful_expert_and_accepts_real_ones(tmp_path, capsys):
     """The demo, scaled down: two real experts and the harmful one through the daemon with the
-    default demo gate (STS against the current version and θ₀)."""
-    from mergestream.demo import STS_GATE, run_demo
+    default demo gate (STS against the current version and θ₀). Without a terminal it prints a
+    line from the first second and at least every HEARTBEAT_SECONDS (training steps included),
+    and it reports its CPU seconds."""
+    import re
+
+    from mergestream.demo import HEARTBEAT_SECONDS, STS_GATE, print_summary, run_demo
 
     res = run_demo(["sms", "r8"], workdir=tmp_path / "demo", cache=tmp_path / "cache", port=0, mlflow=False,
                    live=False, sts_max_pairs=400, probe_examples=100, recipe=SMALL, harmful_recipe=SMALL_HARMFUL,
@@ -87,3 +91,12 @@ def test_daemon_rejects_the_harmful_expert_and_accepts_real_ones(tmp_path):
     assert folds[X.HARMFUL_NAME]["probes"]["sts_spearman"] < base_like - STS_GATE["max_abs_drop"]
     assert res.versions == [1, 2] and res.current == 2
     assert set(folds["r8"]["probes"]) >= {"acc.sms", "acc.r8", "sts_spearman"}
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("[   0s] starting the daemon")
+    times = [int(m[1]) for line in lines if (m := re.match(r"\[ *(\d+)s\] ", line))]
+    assert times[-1] >= res.seconds - HEARTBEAT_SECONDS - 5
+    assert max(b - a for a, b in zip(times, times[1:])) <= HEARTBEAT_SECONDS + 5, lines
+    assert any("sms: training step 1/4" in line for line in lines), lines
+    assert 0 < res.cpu_seconds
+    print_summary(res)
+    assert f"{res.cpu_seconds:.0f} CPU s" in capsys.readouterr().out

@@ -38,6 +38,7 @@ from ..config import Config
 from ..engine import ExecOptions
 from ..engine.executors import make_executor
 from ..errors import CheckpointError, MergestreamError, ValidationError, os_error_text
+from ..io.model_card import write_model_card
 from ..io.state import StateDir
 from . import gate
 from .ledger import Ledger
@@ -303,6 +304,11 @@ class Pipeline:
     def _publish(self, att: Attempt, outcome: Outcome, seconds: float) -> tuple[int, Path | None]:
         pol = self.cfg.policy.name
         prev = self.store.current()
+        # the version's own card (its number, the change, the probe values) before the patch, which
+        # carries it to devices that update by patch
+        write_model_card(att.staging / "model", base=self.cfg.base,
+                         release={"version": self.store.next_number(), "kind": att.kind, "expert": att.expert_id,
+                                  "previous": prev, "probes": outcome.probes})
         patch_path = self._write_patch(prev, att.staging) if prev is not None and self.cfg.write_patches else None
         state = att.staging / "state"
         experts_in = StateDir(state).manifest.ids() if (state / "manifest.json").exists() else []

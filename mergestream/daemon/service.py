@@ -33,7 +33,8 @@ from .mirror import build_mirror
 from .pipeline import HASH_KEY, HASH_KIND, Pipeline
 from .sources import ExpertReady, Source, SourceContext, build_sources, still_available
 from .store import Store, arrival_root
-from .tracking import Tracker
+from .rollback import roll_back
+from .tracking import Tracker, make_tracker
 
 log = logging.getLogger("mergestream.service")
 
@@ -104,16 +105,7 @@ class Service:
             import torch
 
             torch.set_num_threads(self.cfg.torch_threads)
-        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-        os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # not its database-setup lines in our log
-        # a tracking outage must cost a fold seconds, not MLflow's minutes of HTTP retries: failed
-        # calls go to the outbox and are retried by the loop instead
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
-        # the default sqlite store keeps its artifacts inside the state folder too (not in ./mlruns)
-        artifacts = None if self.cfg.mlflow.tracking_uri else (self.cfg.state_dir / "mlartifacts").resolve().as_uri()
-        self.tracker = Tracker(self.cfg.mlflow, self.cfg.tracking_uri(), self.ledger, self.metrics, self.store.current,
-                               artifact_location=artifacts)
+        self.tracker = make_tracker(self.cfg, self.ledger, self.metrics, self.store.current)
         logging.getLogger("apscheduler").setLevel(logging.WARNING)
         self.pipeline = Pipeline(self.cfg, self.store, self.ledger, self.metrics, self.tracker,
                                  stopping=self.stopping, still_available=self._registry_version_exists,
@@ -306,31 +298,14 @@ class Service:
         Expert status follows what that version contains: an expert in it is ``accepted`` (also
         one that an earlier rollback or unmerge had taken out), an accepted expert not in it
         becomes ``unmerged``. Rejected, failed and queued experts are left as they are. The probe
-        gauges then show exactly that version's probes.
+        gauges then show exactly that version's probes (:func:`~mergestream.daemon.rollback.roll_back`).
         """
-        if version not in self.store.numbers():
-            raise MergestreamError(f"version {version} does not exist (kept: {self.store.numbers()})")
-        before = self.store.current()
-        self.store.point_current(version)
-        try:
-            keep = set(self.store.fold_json(version).get("experts", []))
-            for row in self.ledger.experts():
-                if row.expert_id in keep and row.status != "accepted":
-                    self.ledger.set_status(row.expert_id, "accepted", None)
-                elif row.expert_id not in keep and row.status == "accepted":
-                    self.ledger.set_status(row.expert_id, "unmerged", f"rolled back to version {version}")
-        except OSError:  # the ledger's disk: current goes back, so that it and the statuses still agree
-            if before is not None:
-                self.store.point_current(before)
-            raise
-        self.ledger.record_event("rollback", expert_id=None, policy=self.cfg.policy.name,
-                                 params={"from": before, "to": version}, decision="accepted",
-                                 reason=f"operator rollback {before} -> {version}", version=version)
+        _, message = roll_back(self.store, self.ledger, version, self.cfg.policy.name)
         self.pipeline.show_current_probes()  # exactly version N's probes: no series of tasks it lacks
         self.tracker.submit("alias", {})
         self.metrics.operator_rollbacks.inc()
         self.pipeline.refresh_gauges()
-        return f"current: version {before} -> {version}"
+        return message
 
     def unmerge(self, expert_id: str) -> str:
         """Publish a new version without ``expert_id`` (through the same probes and gate)."""

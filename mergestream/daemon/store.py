@@ -28,7 +28,6 @@ from filelock import FileLock, Timeout
 from ..errors import MergestreamError, OutsideRootError, StateError
 from ..io.paths import confined_files
 from ..io.st import fsync_dir, link_or_copy, naming
-from ..io.state import StateDir
 from ..io.versions import Versions
 
 log = logging.getLogger(__name__)
@@ -145,6 +144,8 @@ class Store(Versions):
             OSError: the disk is full, the state folder read-only or gone: nothing is published
                 (the candidate is back in ``staging``, or gone with it), ``current`` is unchanged.
         """
+        from ..io.state import StateDir  # torch: not loaded by the ledger verbs, which publish nothing
+
         number = self.next_number()
         fold = dict(fold, version=number)
         # the published state names its own version's model, not the staging folder it was built in
@@ -195,6 +196,8 @@ class Store(Versions):
     def experts_in_versions(self) -> set[str] | None:
         """The ids of the experts some kept version holds (its state manifest's fold records, what
         its replay refolds); None when a manifest cannot be read (then nothing may be pruned)."""
+        from ..io.state import StateDir
+
         ids: set[str] = set()
         for n in self.numbers():
             try:

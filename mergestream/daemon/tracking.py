@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..config import MlflowConfig
+from ..config import Config, MlflowConfig
 from ..redaction import redact_uris
 from .ledger import Ledger
 from .metrics import Metrics
@@ -162,3 +162,21 @@ class Tracker:
         if str(cur) not in mapping:
             raise TrackingNotReady(f"version {cur} is not registered yet")
         self.client.set_registered_model_alias(self.cfg.registered_model, self.cfg.alias, mapping[str(cur)])
+
+
+def make_tracker(cfg: Config, ledger: Ledger, metrics: Metrics, current_version: Callable[[], int | None]) -> Tracker:
+    """The daemon's :class:`Tracker` for ``cfg`` (also an operator command's run without a daemon).
+
+    MLflow is set up once here (environment defaults, which an operator's own settings override):
+    no artifact progress bars, no database-setup lines in our log, and a tracking outage costs a
+    fold seconds, not minutes of HTTP retries (failed calls go to the outbox, retried by the loop).
+    The default sqlite store keeps its artifacts inside the state folder too (not in ``./mlruns``).
+    """
+    import os
+
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    artifacts = None if cfg.mlflow.tracking_uri else (cfg.state_dir / "mlartifacts").resolve().as_uri()
+    return Tracker(cfg.mlflow, cfg.tracking_uri(), ledger, metrics, current_version, artifact_location=artifacts)

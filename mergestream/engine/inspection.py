@@ -27,7 +27,7 @@ from ..io.checkpoints import (
     open_checkpoint,
     validate_against_base,
 )
-from ..io.expert_readers import open_expert
+from ..io.expert_readers import content_sha256, open_expert
 from ..io.s3_checkpoint import is_s3_uri
 from ..io.st import load_json
 from .linalg import cosine_matrix, subspace_energy, top_singular_vectors
@@ -191,8 +191,16 @@ def gram_matrix(checkpoints: list[Checkpoint], metas: list[TensorMeta], *, chunk
     return gram
 
 
-def describe(path: str | os.PathLike) -> dict[str, Any]:
-    """Tensor count, dtypes (count and bytes per dtype), total bytes and metadata of a checkpoint."""
+def describe(path: str | os.PathLike, content_hash: bool = True) -> dict[str, Any]:
+    """Tensor count, dtypes (count and bytes per dtype), total bytes, metadata and content hash of a
+    checkpoint.
+
+    Args:
+        content_hash: also ``weights_sha256``, the one content hash of
+            :func:`~mergestream.io.expert_readers.content_sha256` (a dense checkpoint: its weights
+            hash, which the ledger, ``fold.json``, the model card, patches and the feed show; a LoRA
+            adapter: the hash a fold records for it). Reads every tensor's bytes once; False: headers only.
+    """
     remote = is_s3_uri(path)  # read in place; a Path would fold "s3://" into "s3:/"
     p = path if remote else Path(path)
     if not remote and (p / "adapter_config.json").exists():
@@ -213,4 +221,6 @@ def describe(path: str | os.PathLike) -> dict[str, Any]:
     if cfg is not None:
         info["lora"] = {k: cfg.get(k) for k in ("r", "lora_alpha", "use_rslora", "fan_in_fan_out", "target_modules")}
     ck.close()
+    if content_hash:
+        info["weights_sha256"] = content_sha256(path)
     return info

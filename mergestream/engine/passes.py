@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from .. import __version__
 from ..errors import CorruptCheckpointError, NonFiniteError
 from ..io.checkpoints import (
     DEFAULT_SHARD_BYTES,
@@ -32,6 +33,8 @@ from ..io.checkpoints import (
     validate_against_base,
 )
 from ..io.expert_readers import DenseExpert
+from ..io.model_card import write_model_card
+from ..io.paths import public_name
 from ..io.st import WeightsHash, load_json, name_order
 from ..io.writers import ModelWriter, copy_aux_files, staged_output
 from ..policies import Policy, make_policy
@@ -196,6 +199,10 @@ def untie_config(folder: Path) -> None:
 
 
 def provenance(policy: Policy, records: list[dict[str, str]], base: Checkpoint) -> dict[str, str]:
+    """The string metadata every output's weight files (and its index) carry: the policy and its
+    parameters, the experts in fold order with their content hashes, the base by its name
+    (:func:`~mergestream.io.paths.public_name`, never its path: outputs travel to other machines)
+    and the tool version. The model card (:mod:`mergestream.io.model_card`) is rendered from it."""
     return {
         "format": "pt",
         "mergestream.policy": policy.name,
@@ -203,7 +210,8 @@ def provenance(policy: Policy, records: list[dict[str, str]], base: Checkpoint) 
         "mergestream.experts": json.dumps([r["id"] for r in records]),
         "mergestream.expert_sha256": json.dumps([r["sha256"] for r in records]),
         "mergestream.n_folds": str(len(records)),
-        "mergestream.base": str(base.path),
+        "mergestream.base": public_name(base.path),
+        "mergestream.version": __version__,
     }
 
 
@@ -322,7 +330,8 @@ def canonical_order(ck: Checkpoint) -> list[str]:
 def finish_model(writer: ModelWriter, base: Checkpoint, stage: Path, *others: Any, untied: bool = False) -> None:
     """End a pass's output: close the model writer and the other writers (state, residuals; None
     skipped), then copy θ₀'s non-weight files into the staged folder (marked untied with
-    ``untied``, see :func:`kept_ties`)."""
+    ``untied``, see :func:`kept_ties`) and write the output's own model card in place of θ₀'s
+    (:func:`~mergestream.io.model_card.write_model_card`)."""
     writer.close()
     for other in others:
         if other is not None:
@@ -330,6 +339,7 @@ def finish_model(writer: ModelWriter, base: Checkpoint, stage: Path, *others: An
     copy_aux_files(base, stage)
     if untied:
         untie_config(stage)
+    write_model_card(stage, base=base.path)
 
 
 def copy_base(base: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False,

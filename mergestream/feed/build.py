@@ -57,6 +57,10 @@ from .plan import Target, shortest
 
 log = logging.getLogger(__name__)
 
+#: A patch at least this fraction of a full download saves a device (almost) nothing: ``feed build``
+#: warns (logged, and ``patch_warning`` in its report) when a release's patches are that large.
+PATCH_WARN_RATIO = 0.9
+
 DEFAULT_EXPIRES = {"root": timedelta(days=365), "targets": timedelta(days=90),
                    "snapshot": timedelta(days=7), "timestamp": timedelta(days=1)}
 
@@ -153,8 +157,9 @@ def build_feed(state_dir: str | os.PathLike, out: str | os.PathLike, keys_dir: s
         A report: ``release``, ``latest`` (version, weights_sha256, rollback), ``root_version``,
         ``targets`` (count), ``bytes`` per kind, ``bytes_per_version`` ({version: bytes of the
         patches leading to it and of its full model files}), ``bytes_to_latest`` ({version: bytes a
-        device at that version downloads}, ``"none"`` for a fresh device), ``full_model_bytes`` and
-        ``timestamp_expires`` (Unix seconds).
+        device at that version downloads}, ``"none"`` for a fresh device), ``full_model_bytes``,
+        ``patch_warning`` (a sentence when every patch is at least :data:`PATCH_WARN_RATIO` of a
+        full download, also logged as a warning; else None) and ``timestamp_expires`` (Unix seconds).
 
     Raises:
         FeedBuildError: nothing published, ``latest`` not kept, a malformed previous feed.
@@ -272,6 +277,8 @@ def _build(store: Versions, out: Path, keys_dir: Path, latest: int | None, keep:
     shutil.rmtree(work, ignore_errors=True)
     report = _report(release, latest_info, root_md.signed.version, chosen, nums)
     report["timestamp_expires"] = timestamp.expires.timestamp()
+    if report["patch_warning"]:
+        log.warning("feed release=%d: %s", release, report["patch_warning"])
     log.info("feed release=%d latest=%d rollback=%s targets=%d", release, latest, rollback, len(chosen))
     return report
 
@@ -307,7 +314,20 @@ def _report(release: int, latest: dict[str, Any], root_version: int,
         if v in hashes:
             need[str(v)] = shortest(plan_targets, hashes[v], latest["version"], latest["weights_sha256"]).bytes
     return {"release": release, "latest": latest, "root_version": root_version, "targets": len(chosen),
-            "bytes": by_kind, "bytes_per_version": per_version, "full_model_bytes": need["none"], "bytes_to_latest": need}
+            "bytes": by_kind, "bytes_per_version": per_version, "full_model_bytes": need["none"], "bytes_to_latest": need,
+            "patch_warning": _patch_warning([t for t in plan_targets if t.info.get("kind") == "patch"], need["none"])}
+
+
+def _patch_warning(patches: list[Target], full: int) -> str | None:
+    """The warning of a release whose patches save a device (almost) nothing: each one at least
+    :data:`PATCH_WARN_RATIO` of a full download (``full`` bytes); None otherwise or without patches."""
+    big = [t for t in patches if t.length >= PATCH_WARN_RATIO * full]
+    if not patches or len(big) < len(patches):
+        return None
+    worst = max(t.length for t in big) / full if full else 0.0
+    return (f"every version patch is at least {PATCH_WARN_RATIO:.0%} of a full download ({len(big)} patch(es), up to "
+            f"{worst:.1%} of {full:,} bytes): devices gain (almost) nothing from patches; the policy changes nearly "
+            "every weight at each fold (see the fleet documentation for policies that make small patches)")
 
 
 def refresh_timestamp(out: str | os.PathLike, keys_dir: str | os.PathLike,

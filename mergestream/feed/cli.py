@@ -101,6 +101,8 @@ def build_cmd(config_path, state_dir, out, keys_dir, latest, keep, timestamp_exp
                f"{' ROLLBACK' if lat['rollback'] else ''}, {rep['targets']} targets, root v{rep['root_version']}")
     for v, n in rep["bytes_to_latest"].items():
         click.echo(f"  from {'a fresh device' if v == 'none' else 'v' + v}: {n:,} bytes")
+    if rep["patch_warning"]:
+        click.echo(f"warning: {rep['patch_warning']}")
 
 
 @feed.command("rotate-key")

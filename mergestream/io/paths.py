@@ -72,6 +72,24 @@ def default_root(folder: str | os.PathLike) -> Path:
     return p
 
 
+def public_name(path: str | os.PathLike) -> str:
+    """The name an output records for an input instead of its path: nothing of the host's layout
+    (user names, mount points) leaves the machine in an output's metadata, its model card or a feed.
+
+    A folder or file: its own name (``/home/alice/models/base`` -> ``base``; ``.`` -> the working
+    folder's name); a Hugging Face cache snapshot (``<cache>/models--org--name/snapshots/<rev>``):
+    its repository id ``org/name``; an ``s3://bucket/prefix/model/`` URI: ``model``.
+    """
+    text = os.fspath(path)
+    if text.startswith("s3://"):
+        return PurePosixPath(text[len("s3://"):].rstrip("/")).name or text
+    p = Path(text)
+    repo = default_root(p)
+    if repo != p:
+        return repo.name.split("--", 1)[1].replace("--", "/")
+    return p.name or Path(os.path.abspath(p)).name
+
+
 def _inside(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 

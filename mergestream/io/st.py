@@ -521,6 +521,8 @@ def link_or_copy(src: str | os.PathLike, dest: str | os.PathLike) -> None:
 # -- the rest of a model folder ---------------------------------------------------------------------
 #: file suffixes of model weights in any format (safetensors, PyTorch pickles, TF, Flax, ONNX, GGUF)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx", ".gguf")
+#: a model folder's card (Hugging Face convention); each output writes its own (:mod:`mergestream.io.model_card`)
+CARD_NAME = "README.md"
 #: subfolders holding exports of the weights for other runtimes: stale next to merged weights
 EXPORT_DIRS = frozenset({"onnx", "openvino"})
 

@@ -30,6 +30,7 @@ Patch file (a safetensors file, format ``mergestream-patch/1`` or ``/2``)
     ``removed`` (JSON list of source tensors absent from the target), ``target_layout`` (JSON:
     ``{"files": [{"name": file name, "header": the target file's verbatim safetensors header}],
     "index": {"name": ..., "text": verbatim index JSON} or null}``), ``stats`` (JSON counts), and
+    ``target_card`` (optional: the target folder's ``README.md``, its model card, verbatim), and
     ``payload_sha256``: sha256 over the data region (every byte after the header) followed by
     the canonical JSON (``sort_keys``, compact separators, ASCII) of the parsed header without
     the ``payload_sha256`` key. Any flipped byte in the data or in the header's content, and any
@@ -38,8 +39,10 @@ Patch file (a safetensors file, format ``mergestream-patch/1`` or ``/2``)
 Output of :func:`apply_patch`
     The target's weight files are rebuilt with their verbatim headers (same file names, same
     shards, same ``__metadata__``) and the target's index file if it had one, so the output is
-    byte-for-byte the target version's weight files, not only the same weights. Non-weight files
-    (``config.json``, tokenizer files, subfolders such as ``1_Pooling/``) are copied from the source folder. The output is
+    byte-for-byte the target version's weight files, not only the same weights. Its model card
+    (``README.md``) is the target's, from ``target_card`` (a patch without one: the source's copy).
+    Other non-weight files (``config.json``, tokenizer files, subfolders such as ``1_Pooling/``) are
+    copied from the source folder. The output is
     staged in a sibling temporary folder and renamed into place; on any failure it is removed.
 """
 
@@ -59,6 +62,7 @@ import numpy as np
 
 from ..io.paths import confined, relative_name
 from ..io.st import (
+    CARD_NAME,
     DTYPE_SIZES,
     FormatError,
     Header,
@@ -583,6 +587,10 @@ def apply_patch(model_dir: str | os.PathLike, patch_path: str | os.PathLike,
             if patch.index is not None:
                 (stage / patch.index[0]).write_text(patch.index[1])
             taken = {tf.name for tf in patch.files} | ({patch.index[0]} if patch.index else set())
+            card = patch.metadata.get("target_card")
+            if isinstance(card, str):  # the target version's own model card, not the source's
+                (stage / CARD_NAME).write_text(card, encoding="utf-8")
+                taken.add(CARD_NAME)
             copy_aux_files(src.path, stage, skip=frozenset(taken))
             fsync_dir(stage)
             os.rename(stage, out)

@@ -31,6 +31,7 @@ import numpy as np
 from ..errors import MergestreamError, OutputExistsError
 from ..io.st import TensorEntry, WeightsHash, encode_header, fsync_dir, naming, weights_hash_kind
 from . import (
+    CARD_NAME,
     DENSE,
     SPARSE_INDICES,
     SPARSE_VALUES,
@@ -257,6 +258,9 @@ def build_patch(src_model_dir: str | os.PathLike, dst_model_dir: str | os.PathLi
             }
             if spool.compressed:
                 meta["compressed"] = json.dumps(spool.compressed, sort_keys=True)
+            card = Path(dst_model_dir) / CARD_NAME
+            if card.is_file():  # the target version's own model card, written by apply_patch
+                meta["target_card"] = card.read_text(encoding="utf-8", errors="replace")
             header = {"__metadata__": meta, **spool.entries}
             spool.hash.update(canonical_header(header))
             meta["payload_sha256"] = spool.hash.hexdigest()

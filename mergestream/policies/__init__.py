@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import PolicyError
+from ..recommended import RECOMMENDED_PARAMS, RECOMMENDED_POLICY  # torch-free home (the config reads it)
 from .base import Policy, PolicyParams, TensorContext, TensorFold
 from .dop import Dop
 from .iso_c import IsoC
@@ -29,11 +30,6 @@ REGISTRY: dict[str, type[Policy]] = {
     cls.name: cls for cls in (TaskArithmetic, Ties, SafeMerge, MdmOc, Opcm, MagMax, Dop, IsoC, IsoCts, WeightAverage)
 }
 
-#: The policy and parameters ``mergestream init``, the starter config, the daemon's config default and
-#: ``mergestream demo`` use: the row with the best measured H in bench/results/quality.md (file order
-#: and shuffles, tuned coefficients), kept in step with it by tests/test_recommended_policy.py.
-RECOMMENDED_POLICY: str = "iso_c"
-RECOMMENDED_PARAMS: dict[str, Any] = {"alpha": 2.0, "lambda": 0.2}
 
 
 def make_policy(name: str, params: dict[str, Any] | None = None) -> Policy:
@@ -82,6 +78,7 @@ def parameter_names(name: str) -> list[str]:
     return [f.alias or n for n, f in REGISTRY[name].Params.model_fields.items()]
 
 
-__all__ = ["REGISTRY", "Policy", "PolicyParams", "TensorContext", "TensorFold", "make_policy", "parameter_names",
-           "policy_names", "reference_params", "cmaes_coefficients", "stability_penalty", "Dop", "IsoC", "Lines", "MdmOc", "Opcm", "SafeMerge", "MagMax",
-           "TaskArithmetic", "Ties", "IsoCts", "WeightAverage"]
+__all__ = ["REGISTRY", "RECOMMENDED_POLICY", "RECOMMENDED_PARAMS", "Policy", "PolicyParams", "TensorContext",
+           "TensorFold", "make_policy", "parameter_names", "policy_names", "reference_params", "cmaes_coefficients",
+           "stability_penalty", "Dop", "IsoC", "Lines", "MdmOc", "Opcm", "SafeMerge", "MagMax", "TaskArithmetic", "Ties",
+           "IsoCts", "WeightAverage"]

@@ -24,14 +24,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from ...redaction import redact_uris
+from ..notes import NOTE_PREFIX, source_notes  # noqa: F401 - re-exported: the notes' home is ..notes
 
 if TYPE_CHECKING:
     from ...config import Config
 
 log = logging.getLogger(__name__)
 
-#: Prefix of the ledger meta keys that hold source notes: ``source_note:<source>:<subject>``.
-NOTE_PREFIX = "source_note:"
 
 
 @dataclass(frozen=True)
@@ -123,13 +122,6 @@ class NoteStore(Protocol):
     def meta_items(self, prefix: str) -> dict[str, Any]:
         """Every non-null value whose key starts with ``prefix``."""
         ...
-
-
-def source_notes(store: NoteStore) -> list[dict[str, Any]]:
-    """The notes sources left (see :meth:`SourceContext.note`), sorted by source and subject: dicts
-    with ``source``, ``subject``, ``level`` (``error`` | ``warning``), ``message`` and ``since``
-    (Unix time, seconds)."""
-    return [v for _, v in sorted(store.meta_items(NOTE_PREFIX).items()) if isinstance(v, dict)]
 
 
 @dataclass(frozen=True)
