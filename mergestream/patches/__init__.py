@@ -1,12 +1,9 @@
 """Apply weight patches ("version N−1 -> version N") exactly; standalone (stdlib + numpy only).
 
-This module is the device side of incremental updates. It imports nothing from torch and, from
-mergestream, only the standard-library :mod:`mergestream.io.st`, so the two can be copied onto a small
-device next to ``numpy``. It parses
-safetensors headers itself and moves raw bytes, which makes every dtype work the same way
-(``BF16`` has no numpy dtype, ``F8_*`` neither): a patch is about exact bytes, so tensors are
-compared and patched as unsigned integers of the same itemsize. Equality is therefore bit-exact
-(``-0.0`` differs from ``0.0``; two NaNs with different payloads differ).
+The device side of incremental updates: no torch; from mergestream only the standard-library
+:mod:`mergestream.io.st` (the two can be copied onto a device next to ``numpy``). It moves raw bytes,
+so every dtype works the same way (``BF16``, ``F8_*``): tensors are compared and patched as unsigned
+integers of their itemsize, bit-exact (``-0.0`` differs from ``0.0``, NaN payloads count).
 
 Weights hash (:func:`weights_sha256`)
     The project's one content hash of a model, defined in :mod:`mergestream.io.st` (versions 2 and 1).
@@ -24,9 +21,8 @@ Patch file (a safetensors file, format ``mergestream-patch/1`` or ``/2``)
       metadata ``compressed`` gives its uncompressed dtype and shape): see :mod:`mergestream.patches.codec`.
 
     ``__metadata__`` (strings): ``patch_format``, ``source_version``, ``target_version``,
-    ``source_sha256``, ``target_sha256`` (weights hashes above), ``weights_hash`` (their version:
-    ``weights2``; absent in patches written before version 2, whose hashes are version 1), ``policy``, ``payload_bytes``
-    (bytes of tensor data in the patch), ``model_bytes`` (bytes of the target's weight files),
+    ``source_sha256``, ``target_sha256`` (weights hashes; ``weights_hash``: their version, absent =
+    1), ``policy``, ``payload_bytes`` (tensor bytes in the patch), ``model_bytes`` (the target's),
     ``removed`` (JSON list of source tensors absent from the target), ``target_layout`` (JSON:
     ``{"files": [{"name": file name, "header": the target file's verbatim safetensors header}],
     "index": {"name": ..., "text": verbatim index JSON} or null}``), ``stats`` (JSON counts), and
@@ -37,13 +33,10 @@ Patch file (a safetensors file, format ``mergestream-patch/1`` or ``/2``)
     truncation, is detected before anything is written.
 
 Output of :func:`apply_patch`
-    The target's weight files are rebuilt with their verbatim headers (same file names, same
-    shards, same ``__metadata__``) and the target's index file if it had one, so the output is
-    byte-for-byte the target version's weight files, not only the same weights. Its model card
-    (``README.md``) is the target's, from ``target_card`` (a patch without one: the source's copy).
-    Other non-weight files (``config.json``, tokenizer files, subfolders such as ``1_Pooling/``) are
-    copied from the source folder. The output is
-    staged in a sibling temporary folder and renamed into place; on any failure it is removed.
+    The target's weight files with their verbatim headers (same names, shards, ``__metadata__``)
+    and index: byte for byte the target version's files. Its model card (``README.md``) is the
+    target's ``target_card`` (else the source's); other non-weight files are the source folder's.
+    Staged in a sibling temporary folder and renamed into place; removed on any failure.
 """
 
 from __future__ import annotations
