@@ -217,7 +217,7 @@ def simulate(args: argparse.Namespace) -> int:
         for w in args.workers:
             for g in args.worker_gbs:
                 sim = simulate_plan(sizes, w, rate, g, per_task, args.driver_gbs)
-                cells.append(f"{sim['tasks']} tasks, {sim['makespan_s'] / 3600:.2f} h")
+                cells.append(f"{sim['tasks']} tasks, {sim['makespan_s'] / 60:.1f} min")
                 out.append({"policy": r["policy"], "workers": w, "worker_gbs": g, **sim})
         print(f"| {r['policy']} | {rate * GB:.1f} | {per_task:.0f} B | " + " | ".join(cells) + " |")
     if args.out:
