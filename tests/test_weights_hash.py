@@ -174,3 +174,12 @@ def test_a_patch_written_with_version_1_still_applies(tmp_path):
     rep = apply_patch(src, p, tmp_path / "out")
     assert (tmp_path / "out" / "model.safetensors").read_bytes() == (dst / "model.safetensors").read_bytes()
     assert rep["target_sha256"] == weights_sha256(dst, 1)
+
+
+def test_the_ledger_tags_its_hashes_with_the_current_version_and_still_checks_version_1_rows():
+    """The daemon's ledger records which hash it holds; the tag follows the definition (a stale tag
+    would make the fold skip its 'changed since registered' check), and version-1 rows stay checked."""
+    from mergestream.daemon.pipeline import HASH_KIND, HASH_KINDS
+
+    assert HASH_KIND == f"weights/{st.WEIGHTS_HASH_VERSION}"
+    assert set(HASH_KINDS) == {"weights/1", HASH_KIND}

@@ -52,7 +52,10 @@ from .tracking import Tracker
 log = logging.getLogger("mergestream.service")
 
 #: rows registered with the one content hash say so (rows of older versions used a file hash)
-HASH_KEY, HASH_KIND = "mergestream.hash", "weights/1"
+#: the ledger's tag of the hash it recorded (weights hash version 2); rows tagged ``weights/1`` (written
+#: before it) are still checked: the fold accepts a version-1 match (:func:`mergestream.engine.fold`)
+HASH_KEY, HASH_KIND = "mergestream.hash", "weights/2"
+HASH_KINDS = ("weights/1", HASH_KIND)
 
 
 def show_probe_values(gauge: Gauge, values: dict[str, float]) -> None:
@@ -200,7 +203,7 @@ class Pipeline:
 
             # the ledger's hash is the one the fold computes on its own pass: an expert changed since
             # it was registered is refused (unless RI replaced it with its adapted copy)
-            checked = raw and row.metadata.get(HASH_KEY) == HASH_KIND
+            checked = raw and row.metadata.get(HASH_KEY) in HASH_KINDS
             rep = engine.fold(self.cfg.base, backbone, src, policy, state_dir=att.staging / "state",
                               out=att.staging / "model", expert_id=row.expert_id, tensor_hook=hook,
                               objective=objective, expect_sha256=row.sha256 if checked else None,
