@@ -362,7 +362,7 @@ class GateConfig(_Section):
 
 class ExecutorConfig(_Section):
     """Where a fold's per-tensor map runs: local threads, or a Ray cluster (the ``ray`` extra; base,
-    backbone, experts and state on storage every Ray worker reaches). See the README's Scaling section."""
+    backbone, experts and state on storage every Ray worker reaches). See docs/scaling.md."""
 
     kind: Literal["local", "ray"] = Field("local", description="local threads or a Ray cluster")
     address: str | None = Field(None, description="Ray cluster: auto, ray://head:10001 (default: RAY_ADDRESS, "

@@ -52,7 +52,7 @@ def make_policy(name: str, params: dict[str, Any] | None = None) -> Policy:
 
 
 def policy_names() -> list[str]:
-    """The registered policy names, in registry order (the order of the README's table)."""
+    """The registered policy names, in registry order (the order of the docs' policy tables)."""
     return list(REGISTRY)
 
 
