@@ -205,19 +205,19 @@ def quality_table() -> str:
     def mean(rows: list[dict[str, Any]], key: str) -> float:
         return float(np.mean([r["final"][key] for r in rows]))
 
-    out = ["| policy | tuned | H | ACC | G | patch/model | patch/model, format 2 + zstd | s per fold | best variant (H) |",
-           "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    out = ["| policy | tuned | H | patch/model (format 1 / 2 + zstd) | s per fold | best variant (H) |",
+           "| --- | --- | ---: | ---: | ---: | --- |"]
     for name in REGISTRY:
         rows = groups.get(name)
         if not rows:
-            out.append(f"| `{name}` | not in the benchmark | | | | | | | |")
+            out.append(f"| `{name}` | not in the benchmark | | | | |")
             continue
         fam = {k: v for k, v in groups.items() if v[0]["policy"] == name and k != name}
         best = max(fam, key=lambda k: mean(fam[k], "H"), default=None)
         f = rows[0]["final"]
         out.append(f"| `{name}` | {', '.join(f'{k}={v}' for k, v in rows[0]['params'].items())} | "
-                   f"**{mean(rows, 'H'):.1f}** | {mean(rows, 'ACC'):.1f} | {mean(rows, 'G'):.1f} | "
-                   f"{f.get('patch_ratio_mean', float('nan')):.3f} | {f.get('patch_ratio_v2_mean', float('nan')):.3f} | "
+                   f"**{mean(rows, 'H'):.1f}** | "
+                   f"{f.get('patch_ratio_mean', float('nan')):.3f} / {f.get('patch_ratio_v2_mean', float('nan')):.3f} | "
                    f"{mean(rows, 'fold_seconds_mean'):.1f} | "
                    + (f"`{best}` ({mean(fam[best], 'H'):.1f})" if best else "–") + " |")
     return "\n".join(out)
