@@ -199,6 +199,9 @@ def test_main_pages_render_in_a_real_browser(served, browser):
             assert all(b.is_displayed() for b in browser.find_elements(By.CSS_SELECTOR, "article div.highlight"))
         else:  # a page made of tables: rendered as tables
             assert browser.find_elements(By.CSS_SELECTOR, "article table tbody tr"), path
+        # everything the page loaded (stylesheets, scripts, fonts, images) came from this site
+        loaded = browser.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
+        assert loaded and all(u.startswith(served) for u in loaded), [u for u in loaded if not u.startswith(served)]
     browser.get(f"{served}/policies/")
     images = browser.find_elements(By.CSS_SELECTOR, "article img")
     assert len(images) == 2
