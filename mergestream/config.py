@@ -80,7 +80,7 @@ class ObjectiveConfig(_Section):
     ``adamerging_examples`` inputs of ``ri.data`` (:mod:`mergestream.engine.coefficients`)."""
 
     task_weight: float = Field(1.0, ge=0, description="weight of the mean task accuracy (task probes)")
-    general_weight: float = Field(1.0, ge=0, description="weight of the sentence_similarity probe (general knowledge)")
+    general_weight: float = Field(1.0, ge=0, description="weight of the sentence_similarity probe (general)")
     examples_per_task: int = Field(64, ge=1, description="first N rows of each task probe")
     general_pairs: int = Field(200, ge=2, description="first N pairs of the sentence_similarity probe")
     adamerging_examples: int = Field(64, ge=1, description="adamerging: first N unlabeled inputs of ri.data")
@@ -187,7 +187,7 @@ class RegistryConfig(_Section):
 class WebhookConfig(_Section):
     """Optional MLflow webhook receiver (model_version.created); it only triggers a poll."""
 
-    enabled: bool = Field(False, description="receive MLflow `model_version.created` webhooks (HMAC-signed); each triggers a poll")
+    enabled: bool = Field(False, description="receive MLflow model_version.created webhooks (HMAC); each triggers a poll")
     host: str = Field("127.0.0.1", description="bind address of the receiver")
     port: int = Field(9109, ge=0, le=65535, description="port of the receiver (0 picks a free one)")
     secret: SecretStr | None = Field(None, description="HMAC secret shared with MLflow (use the env override)")
@@ -210,7 +210,7 @@ class S3NotifyConfig(_Section):
     """Optional receiver of bucket notifications (MinIO webhook target, AWS event records): an
     ObjectCreated event triggers an immediate S3 poll; listing stays the source of truth."""
 
-    enabled: bool = Field(False, description="receive bucket notifications; an ObjectCreated event triggers a poll")
+    enabled: bool = Field(False, description="receive bucket notifications; ObjectCreated triggers a poll")
     host: str = Field("127.0.0.1", description="bind address of the receiver")
     port: int = Field(9110, ge=0, le=65535, description="port of the receiver (0 picks a free one)")
     token: SecretStr | None = Field(None, description="bearer token the notifier sends (use the env override)")
@@ -324,10 +324,8 @@ class ProbeConfig(_Section):
     """One probe: ``type`` is a built-in (weight_space, sentence_similarity, perplexity, classification)
     or ``entrypoint`` (with ``params.target: package.module:function``)."""
 
-    type: str = Field(description="weight_space (always on), sentence_similarity, perplexity, classification or "
-                      "entrypoint")
-    params: dict[str, Any] = Field(default_factory=dict, description="the probe's own parameters, e.g. data: FILE; "
-                                   "entrypoint: target: package.module:function")
+    type: str = Field(description="weight_space (always on), sentence_similarity, perplexity, classification, entrypoint")
+    params: dict[str, Any] = Field(default_factory=dict, description="the probe's parameters (entrypoint: target)")
 
 
 class GateRule(_Section):
