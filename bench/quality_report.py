@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -271,63 +270,21 @@ def write_md(doc: dict[str, Any], path: Path) -> None:
 
 
 def plot(doc: dict[str, Any], out: Path) -> list[str]:
-    """The accuracy-matrix and curve PNGs of the file-order runs in ``out``; returns their names."""
-    import matplotlib
+    """The PNG plots of the file-order runs in ``out`` (:mod:`quality_plots`); returns their names.
+    The recommended row (:func:`recommended_row`, or ``mergestream``'s recommended policy while the
+    benchmark is unfinished) is drawn as the default."""
+    import quality_plots
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    rec = recommended_row(doc)
+    return quality_plots.plot(doc, out, rec["label"] if rec else _recommended_policy())
 
-    tasks = doc["protocol"]["tasks"]
-    fo = [r for r in doc["runs"] if r["order_seed"] is None]
-    files: list[str] = []
-    n = len(fo)
-    if n == 0:  # nothing measured yet (the document written before the first run)
-        return files
-    cols = min(4, n)
-    rows_ = math.ceil(n / cols)
-    fig, axes = plt.subplots(rows_, cols, figsize=(3.6 * cols, 3.4 * rows_), squeeze=False)
-    for ax, r in zip(axes.flat, fo):
-        m = np.full((len(tasks), len(tasks)), np.nan)
-        for s in r["steps"]:
-            for j, t in enumerate(tasks):
-                if t in s["acc"]:
-                    m[s["t"] - 1, j] = s["acc"][t]
-        im = ax.imshow(m, vmin=0, vmax=100, cmap="viridis")
-        ax.set_title(label(r), fontsize=9)
-        ax.set_xticks(range(len(tasks)), tasks, rotation=70, fontsize=7)
-        ax.set_yticks(range(len(tasks)), [f"t={i + 1}" for i in range(len(tasks))], fontsize=7)
-        for i in range(len(tasks)):
-            for j in range(len(tasks)):
-                if not np.isnan(m[i, j]):
-                    ax.text(j, i, f"{m[i, j]:.0f}", ha="center", va="center", fontsize=6, color="w")
-    for ax in list(axes.flat)[n:]:
-        ax.axis("off")
-    fig.colorbar(im, ax=axes, shrink=0.6, label="accuracy %")
-    fig.suptitle("accuracy after each fold (row) on each task (column), file order")
-    f1 = out / "quality_acc_matrix.png"
-    fig.savefig(f1, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    files.append(f1.name)
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    for r in fo:
-        ts = [s["t"] for s in r["steps"]]
-        acc = [float(np.mean(list(s["acc"].values()))) for s in r["steps"]]
-        g = [s["G"] for s in r["steps"]]
-        axes[0].plot(ts, acc, marker="o", label=label(r))
-        axes[1].plot(ts, g, marker="o", label=label(r))
-        axes[2].plot(ts, [hmean(a, b) for a, b in zip(acc, g)], marker="o", label=label(r))
-    for ax, name in zip(axes, ("ACC (tasks seen so far) %", "G (STS-B Spearman x100)", "H")):
-        ax.set_xlabel("folds")
-        ax.xaxis.get_major_locator().set_params(integer=True)
-        ax.set_title(name)
-        ax.grid(alpha=0.3)
-    axes[1].axhline(doc["references"]["base_G"], color="k", ls="--", lw=0.8, label="base")
-    axes[2].legend(fontsize=7)
-    f2 = out / "quality_curves.png"
-    fig.savefig(f2, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    files.append(f2.name)
-    return files
+
+def _recommended_policy() -> str | None:
+    try:
+        from mergestream.policies import RECOMMENDED_POLICY
+    except ImportError:  # the package is not installed: no row is drawn as the default
+        return None
+    return RECOMMENDED_POLICY
 
 
 #: new methods that are a policy of their own, compared with the policy they extend (Iso-C is task

@@ -49,7 +49,7 @@ def parse_sets(items: list[str]) -> dict[str, dict[str, Any]]:
     """``--set LABEL.NAME=VALUE`` options as {label: {name: value}}.
 
     LABEL is a policy (``dop``: the row and its variants) or a row label (``opcm+lines``: that row
-    only); NAME a parameter as in the README's policy table (``lambda``, ``alpha``, ``lines_alpha``).
+    only); NAME a parameter as in the docs' policies reference (``lambda``, ``alpha``, ``lines_alpha``).
 
     Raises:
         BenchInputError: an item without ``=`` or without ``LABEL.``.

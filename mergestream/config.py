@@ -76,7 +76,7 @@ class RIConfig(_Section):
     steps: int = Field(100, ge=0, description="step budget (AdamW updates); 0 = identity")
     time_budget_seconds: float | None = Field(300.0, ge=0, description="time budget per expert (s)")
     lr: float = Field(1e-5, gt=0, description="AdamW learning rate")
-    batch_size: int = Field(16, ge=1)
+    batch_size: int = Field(16, ge=1, description="auxiliary inputs per AdamW step")
     max_length: int = Field(64, ge=1, description="tokens per input (Hugging Face features)")
     eval_every: int = Field(10, ge=0, description="keep the best iterate, evaluated every N steps (0: the last)")
     forward: str | None = Field(None, description="package.module:factory returning a FeatureModel; "
@@ -91,8 +91,8 @@ class ObjectiveConfig(_Section):
     ``coefficients: adamerging`` instead minimises the task heads' prediction entropy on the first
     ``adamerging_examples`` inputs of ``ri.data`` (:mod:`mergestream.engine.coefficients`)."""
 
-    task_weight: float = Field(1.0, ge=0)
-    general_weight: float = Field(1.0, ge=0)
+    task_weight: float = Field(1.0, ge=0, description="weight of the mean task accuracy (task probes)")
+    general_weight: float = Field(1.0, ge=0, description="weight of the sentence_similarity probe (general)")
     examples_per_task: int = Field(64, ge=1, description="first N rows of each task probe")
     general_pairs: int = Field(200, ge=2, description="first N pairs of the sentence_similarity probe")
     adamerging_examples: int = Field(64, ge=1, description="adamerging: first N unlabeled inputs of ri.data")
@@ -200,9 +200,9 @@ class RegistryConfig(_Section):
 class WebhookConfig(_Section):
     """Optional MLflow webhook receiver (model_version.created); it only triggers a poll."""
 
-    enabled: bool = False
-    host: str = "127.0.0.1"
-    port: int = Field(9109, ge=0, le=65535)
+    enabled: bool = Field(False, description="receive MLflow model_version.created webhooks (HMAC); each triggers a poll")
+    host: str = Field("127.0.0.1", description="bind address of the receiver")
+    port: int = Field(9109, ge=0, le=65535, description="port of the receiver (0 picks a free one)")
     secret: SecretStr | None = Field(None, description="HMAC secret shared with MLflow (use the env override)")
 
 
@@ -223,9 +223,9 @@ class S3NotifyConfig(_Section):
     """Optional receiver of bucket notifications (MinIO webhook target, AWS event records): an
     ObjectCreated event triggers an immediate S3 poll; listing stays the source of truth."""
 
-    enabled: bool = False
-    host: str = "127.0.0.1"
-    port: int = Field(9110, ge=0, le=65535)
+    enabled: bool = Field(False, description="receive bucket notifications; ObjectCreated triggers a poll")
+    host: str = Field("127.0.0.1", description="bind address of the receiver")
+    port: int = Field(9110, ge=0, le=65535, description="port of the receiver (0 picks a free one)")
     token: SecretStr | None = Field(None, description="bearer token the notifier sends (use the env override)")
 
 
@@ -328,7 +328,7 @@ class FeedConfig(_Section):
 class MetricsConfig(_Section):
     """Prometheus endpoint (/metrics, /healthz, /readyz)."""
 
-    enabled: bool = True
+    enabled: bool = Field(True, description="serve /metrics, /healthz and /readyz")
     host: str = Field("127.0.0.1", description="bind address")
     port: int = Field(9108, ge=0, le=65535, description="0 picks a free port")
 
@@ -337,8 +337,8 @@ class ProbeConfig(_Section):
     """One probe: ``type`` is a built-in (weight_space, sentence_similarity, perplexity, classification)
     or ``entrypoint`` (with ``params.target: package.module:function``)."""
 
-    type: str
-    params: dict[str, Any] = Field(default_factory=dict)
+    type: str = Field(description="weight_space (always on), sentence_similarity, perplexity, classification, entrypoint")
+    params: dict[str, Any] = Field(default_factory=dict, description="the probe's parameters (entrypoint: target)")
 
 
 class GateRule(_Section):
@@ -373,7 +373,7 @@ class GateConfig(_Section):
 
 class ExecutorConfig(_Section):
     """Where a fold's per-tensor map runs: local threads, or a Ray cluster (the ``ray`` extra; base,
-    backbone, experts and state on storage every Ray worker reaches). See the README's Scaling section."""
+    backbone, experts and state on storage every Ray worker reaches). See docs/scaling.md."""
 
     kind: Literal["local", "ray"] = Field("local", description="local threads or a Ray cluster")
     address: str | None = Field(None, description="Ray cluster: auto, ray://head:10001 (default: RAY_ADDRESS, "

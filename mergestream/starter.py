@@ -26,12 +26,12 @@ STARTER = """\
 # The pretrained base θ₀ every expert was fine-tuned from (file or Hugging Face folder).
 base: {base}
 
-# The merge policy and its parameters (the README's policy table lists them all):
+# The merge policy and its parameters (docs/policies.md; every parameter: the docs' policies reference):
 {policies}policy:
   name: {policy}
   params: {params}
   unmerge_mode: {unmerge_mode}{pad}# how `mergestream unmerge EXPERT` removes an expert: subtract | replay
-  # Data-driven extras (README, "Data-driven merging"):
+  # Data-driven extras (docs/data-driven.md):
   # preprocess: [ri]            # RI pre-step: adapt each expert (that ships a task head) on unlabeled data;
   #                            # the benchmark's best row is the recommended policy plus this step
   # ri: {{data: aux.txt, steps: 100, time_budget_seconds: 300, alpha: 1.0}}
@@ -72,7 +72,7 @@ mlflow:
     # pending_timeout_seconds: 3600   # skip a version stuck PENDING_REGISTRATION this long (s)
 
 # Object storage (pip install -e '.[s3]' from the checkout; credentials from the standard AWS chain only):
-# s3:                           # also take experts from a bucket (README, "Object storage (S3)")
+# s3:                           # also take experts from a bucket (docs/sources.md)
 #   enabled: true
 #   bucket: experts
 #   prefix: incoming/
@@ -82,7 +82,7 @@ mlflow:
 # publish:
 #   uri: s3://models/backbone/  # mirror every published version; the object `current` is written last
 
-# A signed update feed for edge devices (pip install -e '.[feed]' from the checkout; README, "Fleet updates"):
+# A signed update feed for edge devices (pip install -e '.[feed]' from the checkout; docs/fleet.md):
 # feed:
 #   dir: feed                   # serve this folder over HTTP; rebuilt after each version and rollback
 #   keys: keys                  # from `mergestream feed keygen --keys keys`

@@ -118,6 +118,42 @@ def test_from_json_rerenders_with_real_plots(tmp_path):
     assert all((tmp_path / "o" / f).stat().st_size > 0 for f in got["plots"])
 
 
+def _family_doc():
+    """_doc() with rows of several families (file order + one shuffle), each with patch sizes."""
+    import copy
+
+    doc = _doc()
+    rows = {"iso_c": 79.7, "safe_merge": 76.9, "safe_merge+iso": 79.5, "mdm_oc": 76.7, "mdm_oc+cmaes": 76.8,
+            "ties": 75.8, "ties+ri": 77.2, "dop": 75.6, "dop+lines": 77.2, "task_arithmetic": 76.8}
+    doc["runs"], doc["protocol"]["shuffles"], doc["planned_runs"] = [], 1, []
+    for i, (name, h) in enumerate(rows.items()):
+        policy, _, variant = name.partition("+")
+        for seed, dh in ((None, 0.0), (0, -0.2)):
+            run = copy.deepcopy(_doc()["runs"][0])
+            run.update(policy=policy, variant="+" + variant if variant else "", order_seed=seed)
+            run["final"].update(H=h + dh, patch_ratio_mean=0.1 + 0.08 * i, patch_ratio_v2_mean=0.05 + 0.05 * i)
+            doc["runs"].append(run)
+    return doc
+
+
+def test_plots_show_the_rows_that_matter_and_quality_against_patch_size(tmp_path):
+    """quality_curves.png colours the default, the seed methods and each family's best (the rest
+    grey, in a table); quality_patch.png plots H against patch/model for every row (issue 38)."""
+    import quality_plots as P
+
+    doc = _family_doc()
+    assert P.highlighted(doc, "iso_c") == ["iso_c", "safe_merge", "mdm_oc", "safe_merge+iso", "mdm_oc+cmaes",
+                                           "ties+ri", "dop+lines", "task_arithmetic"]
+    assert P.mean_h(doc)["ties+ri"] == pytest.approx(77.1)
+    files = P.plot(doc, tmp_path, "iso_c")
+    assert files == ["quality_acc_matrix.png", "quality_curves.png", "quality_patch.png"]
+    assert all((tmp_path / f).stat().st_size > 10_000 for f in files)
+    for run in doc["runs"]:  # no patch sizes recorded: no patch plot, the others still drawn
+        run["final"].pop("patch_ratio_mean")
+    (tmp_path / "o").mkdir()
+    assert P.plot(doc, tmp_path / "o", "iso_c") == ["quality_acc_matrix.png", "quality_curves.png"]
+
+
 def test_validation_rows_are_carved_out_of_train_before_training(tmp_path):
     src = X.data_root()
     dst = S.carved_folder(tmp_path, ["sms", "trec"], 50)

@@ -37,7 +37,7 @@ and, for the most recent fold, applies both (:func:`recover_previous`). A first 
 θ₀) stores λ only: subtracting the only fold writes θ₀ itself, and an earlier fold's subtract
 uses no exactness data. This saves writing the
 model's size per fold: on the 1 GiB bf16 benchmark a later Task Arithmetic fold went from 4.8 to
-3.1 s with no residual written at all (``bench/fold_speed.py``; README, "Unmerge").
+3.1 s with no residual written at all (``bench/fold_speed.py``; docs/concepts.md, "What unmerge restores").
 
 Fold paths: :meth:`ResidualWriter.add` for whole tensors (computed in chunks);
 :func:`mergestream.engine.linear_fold.fold_linear` folds a :meth:`~mergestream.policies.Policy.linear_scale`

@@ -63,7 +63,7 @@ def reference_params(name: str) -> dict[str, Any] | None:
 
 
 def policy_names() -> list[str]:
-    """The registered policy names, in registry order (the order of the README's table)."""
+    """The registered policy names, in registry order (the order of the docs' policy tables)."""
     return list(REGISTRY)
 
 

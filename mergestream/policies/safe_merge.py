@@ -189,7 +189,7 @@ class SafeMergeParams(PolicyParams):
     k_s: int = Field(64, ge=1, description="rank of τ's task-specific subspace")
     rank: int = Field(16, ge=0, description="rank r of the masked low-rank recovery (0 = none)")
     steps: int = Field(25, ge=0, description="Adam steps of the recovery (0 = none); 25 measured as good as 50 "
-                                             "(README: Speed: SAFE-Merge's Adam steps)")
+                                             "(docs: Speed and memory)")
     lambda_old: float = Field(1.0, ge=0, description="weight λ_old of the stay-off-old-directions term")
     lr_scale: float = Field(0.1, gt=0, description="Adam learning rate = lr_scale · std(τ)")
     k_new: int = Field(8, ge=1, description="top right singular vectors of τ in L_new")
