@@ -346,7 +346,8 @@ def test_a_remembered_dead_cluster_is_refused(tmp_path, monkeypatch):
     pointer = tmp_path / "ray_current_cluster"
     addr = _dead_address()
     pointer.write_text(addr)
-    monkeypatch.setattr(ray_cluster, "POINTER_FILE", pointer)
+    assert ray_cluster.pointer_file().name == "ray_current_cluster"  # Ray's own location
+    monkeypatch.setattr(ray_cluster, "pointer_file", lambda: pointer)
     assert ray_cluster.resolve_address("auto") == addr
     with pytest.raises(ray_cluster.ClusterUnreachableError, match=addr.replace(".", r"\.")):
         ray_cluster.check_reachable(addr, timeout=2)

@@ -30,8 +30,14 @@ MAX_GROUP_BYTES = 1 << 30
 CONNECT_TIMEOUT = 10.0
 #: the address a Ray instance started here binds to (never the machine's network address)
 LOOPBACK = "127.0.0.1"
-#: where Ray remembers the last cluster started on this machine (what ``address="auto"`` reads)
-POINTER_FILE = Path("/tmp/ray/ray_current_cluster")
+
+
+def pointer_file() -> Path:
+    """Where Ray remembers the last cluster started on this machine (what ``address="auto"`` reads):
+    Ray's own answer (its temporary folder honours ``RAY_TMPDIR`` and ``TMPDIR``)."""
+    from ray._common.utils import get_ray_address_file
+
+    return Path(get_ray_address_file(None))
 
 
 def loopback_only() -> None:
@@ -74,12 +80,12 @@ def _host_port(address: str) -> tuple[str, int] | None:
 
 def resolve_address(address: str | None) -> str | None:
     """The cluster to join: ``address``, else ``RAY_ADDRESS``; ``auto`` becomes the address in Ray's
-    pointer file (:data:`POINTER_FILE`). None: start a local instance (explicitly: never the
+    pointer file (:func:`pointer_file`). None: start a local instance (explicitly: never the
     remembered one)."""
     address = address or os.environ.get("RAY_ADDRESS") or None
     if address == "auto":
         try:
-            remembered = POINTER_FILE.read_text().strip()
+            remembered = pointer_file().read_text().strip()
         except OSError:
             raise ClusterUnreachableError(
                 "ray address auto: no Ray cluster was started on this machine (no pointer file); start one with "
