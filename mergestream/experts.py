@@ -103,7 +103,7 @@ def data_root(explicit: str | os.PathLike | None = None) -> Path:
         root = project_root()
         cands += [root / "shared" / "data", root.parent / "shared" / "data", Path.cwd() / "shared" / "data",
                   Path.cwd().parent / "shared" / "data"]
-    for c in cands:
+    for c in dict.fromkeys(cands):  # the checkout and the working folder are often the same
         tried.append(c)
         if (c / "tasks").is_dir() and (c / STS_FILE).is_file():
             return c.resolve()

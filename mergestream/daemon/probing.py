@@ -74,6 +74,10 @@ class Prober:
         cached = self.ledger.get_meta("base_probes")
         if cached and cached.get("key") == key:
             return cached["values"]
+        # a first start is silent otherwise for as long as the probes take (a minute on a small model
+        # on 2 busy cores): say what it does and that it is kept
+        log.info("measuring the base with the probes (%s): once, kept in the ledger for later starts; experts "
+                 "that arrive meanwhile wait", ", ".join(p.type for p in self.cfg.probes) or "weight_space")
         values = self.run(Path(self.cfg.base), None, None)
         self.ledger.set_meta("base_probes", {"key": key, "values": values})
         return values

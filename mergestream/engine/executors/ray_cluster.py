@@ -109,7 +109,7 @@ def check_reachable(address: str, timeout: float = CONNECT_TIMEOUT) -> None:
             pass
     except OSError as exc:
         raise ClusterUnreachableError(
-            f"the Ray cluster at {address} does not answer ({exc.strerror or exc}) within {timeout:g} s: start it, "
+            f"the Ray cluster at {address} does not answer ({exc.strerror or exc}; waited at most {timeout:g} s): start it, "
             "name another with --ray-address / executor.address (or RAY_ADDRESS), or leave it empty to "
             "start a local instance") from None
 
