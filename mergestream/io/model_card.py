@@ -30,7 +30,6 @@ from typing import Any
 import yaml
 
 from .. import __version__
-from .paths import public_name
 from .st import CARD_NAME, FormatError, load_json, read_header, write_atomic
 #: Tags every card carries.
 TAGS = ("merge", "mergestream")
