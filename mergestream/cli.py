@@ -337,7 +337,7 @@ def status_cmd(config_path, as_json) -> None:
     store = Store(cfg.state_dir)
     ledger = Ledger(cfg.state_dir / "ledger.sqlite")
     experts = [{"id": e.expert_id, "status": e.status, "source": e.source, "uri": e.uri, "version": e.version,
-                "reason": e.reason, "sha256": e.sha256} for e in ledger.experts()]
+                "reason": e.reason, "sha256": e.content_sha256} for e in ledger.experts()]
     sources: dict[str, list[dict]] = {}
     for n in source_notes(ledger):
         sources.setdefault(n["source"], []).append({k: n.get(k) for k in ("subject", "level", "message", "since")})

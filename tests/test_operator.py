@@ -268,12 +268,22 @@ def test_second_round_of_rough_edges(tmp_path):
         assert svc.step() and svc.step()
         for _ in range(3):  # rescans and restarts re-emit what sits in the inbox
             svc.on_expert_ready(ExpertReady(source="folder", uri=str(copy), expert_id="copy"))
+        assert svc.ledger.queue_depth() == 1  # one arrival, queued once under its arrival key
+        assert svc.step()  # its fold reads it: the content of sst2-a49c2982, discarded before the probes
+        assert svc.ledger.queue_depth() == 0 and svc.store.current() == 2
+        assert "copy" not in _status(svc)
+        for _ in range(3):  # known by its arrival key now: not queued, not read, not reported again
+            svc.on_expert_ready(ExpertReady(source="folder", uri=str(copy), expert_id="copy"))
+        assert svc.ledger.queue_depth() == 0
     finally:
         svc.shutdown()
     svc = _service(tmp_path, bpath)
     try:
         svc.on_expert_ready(ExpertReady(source="folder", uri=str(copy), expert_id="copy"))
-        assert len([f for f in svc.ledger.folds() if f["kind"] == "duplicate"]) == 1
+        assert svc.ledger.queue_depth() == 0
+        dup = [f for f in svc.ledger.folds() if f["kind"] == "duplicate"]
+        assert len(dup) == 1 and "sst2-a49c2982" in dup[0]["reason"]
+        assert svc.metrics.experts_rejected.labels(stage="duplicate")._value.get() == 0  # counted before the restart
         assert svc.ledger.resolve_id("sst2") == "sst2-a49c2982"
         for verb in ("unmerge", "retry"):
             res = json.loads(svc.execute(verb, "nosuch"))

@@ -9,7 +9,13 @@ Tables:
     sources   per-source cursors (last registry version per model).
     commands  operator requests (rollback, unmerge, retry) for a running daemon to execute.
     outbox    tracking calls (MLflow) that failed and are retried later.
+    arrivals  what each arrival turned out to hold: its arrival key
+              (:func:`~mergestream.io.expert_readers.arrival_key`) -> the content hash its fold read.
     meta      small key/value facts (e.g. the base's probe values).
+
+An expert is queued under its arrival key (``sha256`` = ``arrival:<key>``, no byte read) unless
+``arrivals`` already knows the content behind that key; the fold's own pass computes the content
+hash and :meth:`Ledger.settle_identity` records it (or finds the content already there: a duplicate).
 
 One connection guarded by a lock serves all threads of the daemon; other processes (``status``,
 ``history``) open their own connections: WAL lets them read while the daemon writes.
@@ -86,6 +92,7 @@ CREATE TABLE IF NOT EXISTS outbox (
     created REAL NOT NULL
 );
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS arrivals (key TEXT PRIMARY KEY, sha256 TEXT NOT NULL);
 """
 
 
@@ -188,6 +195,32 @@ class Ledger:
                        (eid, source, uri, sha256, registry_key, json.dumps(metadata or {}), now, now))
             row = db.execute("SELECT * FROM experts WHERE expert_id = ?", (eid,)).fetchone()
             return self._expert(row), True
+
+    def known_arrival(self, key: str) -> str | None:
+        """The content hash an earlier fold read behind arrival ``key``, or None."""
+        rows = self._q("SELECT sha256 FROM arrivals WHERE key = ?", (key,))
+        return str(rows[0][0]) if rows else None
+
+    def settle_identity(self, expert_id: str, key: str, sha256: str,
+                        metadata: dict[str, Any]) -> ExpertRow | None:
+        """Record the content hash the fold of ``expert_id`` (queued under arrival ``key``) read.
+
+        In one transaction: ``key`` -> ``sha256`` is remembered (the same arrival announced again
+        is known without a read); if another expert already has this content, ``expert_id``'s row
+        is removed and that expert's row returned (a duplicate: the caller discards the fold);
+        else the row takes ``sha256`` and ``metadata`` (its hash tag) and None is returned.
+        """
+        with self._tx() as db:
+            db.execute("INSERT INTO arrivals (key, sha256) VALUES (?, ?) "
+                       "ON CONFLICT(key) DO UPDATE SET sha256 = excluded.sha256", (key, sha256))
+            found = db.execute("SELECT * FROM experts WHERE sha256 = ? AND expert_id != ?",
+                               (sha256, expert_id)).fetchone()
+            if found is not None:
+                db.execute("DELETE FROM experts WHERE expert_id = ?", (expert_id,))
+                return self._expert(found)
+            db.execute("UPDATE experts SET sha256 = ?, metadata = ?, updated = ? WHERE expert_id = ?",
+                       (sha256, json.dumps(metadata), time.time(), expert_id))
+            return None
 
     def next_pending(self) -> ExpertRow | None:
         """Claim the oldest pending expert (status -> folding), or None."""

@@ -38,6 +38,7 @@ from ..config import Config
 from ..engine import ExecOptions
 from ..engine.executors import make_executor
 from ..errors import CheckpointError, MergestreamError, ValidationError, os_error_text
+from ..io.expert_readers import arrival_key, content_sha256
 from ..io.model_card import write_model_card
 from ..io.state import StateDir
 from . import gate
@@ -45,7 +46,7 @@ from .ledger import Ledger
 from .metrics import Metrics
 from .prestep import PreStepRejected, PreSteps, StopRequested
 from .probing import Prober
-from .records import Attempt, ExpertRow, Outcome
+from .records import ARRIVAL_PREFIX, Attempt, ExpertRow, Outcome
 from .store import Store, arrival_root
 from .tracking import Tracker
 
@@ -56,6 +57,16 @@ log = logging.getLogger("mergestream.service")
 #: before it) are still checked: the fold accepts a version-1 match (:func:`mergestream.engine.fold`)
 HASH_KEY, HASH_KIND = "mergestream.hash", "weights/2"
 HASH_KINDS = ("weights/1", HASH_KIND)
+#: the tag of a row queued under its arrival key: its content hash is learnt by its fold
+ARRIVAL_KIND = "arrival/1"
+
+
+class _Duplicate(Exception):
+    """The fold read content another expert already has (raised before probing)."""
+
+    def __init__(self, of: ExpertRow):
+        super().__init__(of.expert_id)
+        self.of = of
 
 
 def show_probe_values(gauge: Gauge, values: dict[str, float]) -> None:
@@ -114,8 +125,12 @@ class Pipeline:
 
     # -- the fold ---------------------------------------------------------------------------------------
     def fold(self, row: ExpertRow) -> str:
-        """Fold one claimed expert; returns its final status (accepted, rejected, failed, or
-        pending when a stop interrupted it).
+        """Fold one claimed expert; returns its final status (accepted, rejected, failed,
+        pending when a stop interrupted it, or duplicate).
+
+        An expert queued under its arrival key gets its content hash from the fold's own pass
+        (its only read); content another expert already has is a ``duplicate``
+        (:meth:`report_duplicate`): the fold is discarded before probing and its ledger row removed.
 
         With ``policy.preprocess: [ri]`` the expert is first adapted (:mod:`.prestep`); a policy
         that searches its coefficients gets the data probes' objective. Both are recorded in the
@@ -133,6 +148,11 @@ class Pipeline:
                       candidate_expert=Path(row.uri) if Path(row.uri).is_dir() else None)
         try:
             outcome = self._build_fold(att) or self.probe_and_gate(att)
+        except _Duplicate as dup:  # its row is gone; the copy's fold is thrown away, nothing published
+            shutil.rmtree(att.staging, ignore_errors=True)
+            self.store.prune_kept()
+            self.report_duplicate(row.expert_id, row.uri, dup.of)
+            return "duplicate"
         except StopRequested:
             shutil.rmtree(att.staging, ignore_errors=True)
             self.store.prune_kept()
@@ -185,10 +205,11 @@ class Pipeline:
             return Outcome("rejected", "the expert was deleted or replaced in its source before it was folded", "validation")
         try:
             policy = pol.make()  # this attempt's one Policy object: for the objective and the fold
+            arrived_in = arrival_root(row.source, row.uri, self.cfg.inbox)  # its links stay inside it
+            self._check_arrival(row, arrived_in)
             src = self.presteps.adapt(row, att) if "ri" in pol.preprocess else row.uri
             raw = Path(src) == Path(row.uri)
             if raw:  # fold (and record for replay) the kept copy, whatever becomes of the original
-                arrived_in = arrival_root(row.source, row.uri, self.cfg.inbox)  # its links stay inside it
                 src = str(self.store.kept.keep(row.uri, row.expert_id, root=arrived_in))
                 att.candidate_expert = Path(src) if Path(src).is_dir() else None
             objective = self.presteps.objective(att.candidate_expert, policy) if policy.searches_coefficients() \
@@ -204,6 +225,7 @@ class Pipeline:
             # the ledger's hash is the one the fold computes on its own pass: an expert changed since
             # it was registered is refused (unless RI replaced it with its adapted copy)
             checked = raw and row.metadata.get(HASH_KEY) in HASH_KINDS
+            arrival = row.sha256[len(ARRIVAL_PREFIX):] if row.sha256.startswith(ARRIVAL_PREFIX) else None
             rep = engine.fold(self.cfg.base, backbone, src, policy, state_dir=att.staging / "state",
                               out=att.staging / "model", expert_id=row.expert_id, tensor_hook=hook,
                               objective=objective, expect_sha256=row.sha256 if checked else None,
@@ -223,6 +245,14 @@ class Pipeline:
         except Exception as exc:  # a bug or an environment problem: record it, keep serving
             log.exception("fold of %s failed", row.expert_id)
             return Outcome("failed", self._as_arrived(row, f"{type(exc).__name__}: {exc}"))
+        if arrival is not None:  # what the fold read (RI folded its adapted copy: the original, read again)
+            try:
+                sha = rep.sha256[0] if raw else content_sha256(row.uri, within=arrived_in)
+            except (CheckpointError, OSError) as exc:
+                return Outcome("rejected", self._as_arrived(row, f"{type(exc).__name__}: {exc}"), "validation")
+            dup = self.ledger.settle_identity(row.expert_id, arrival, sha, {**row.metadata, HASH_KEY: HASH_KIND})
+            if dup is not None:
+                raise _Duplicate(dup)
         att.timings["fold_seconds"] = rep.seconds
         self.metrics.bytes_read.inc(rep.bytes_read)
         self.metrics.bytes_written.inc(rep.bytes_written)
@@ -235,6 +265,36 @@ class Pipeline:
             att.extra[kind] = {**rep.search, "coefficients": rep.coefficients,
                                   "evaluations_log": [{"alphas": a, **v} for a, v in objective.evaluations]}
         return None
+
+    def _check_arrival(self, row: ExpertRow, arrived_in: Path | None) -> None:
+        """Refuse an expert queued under its arrival key whose files changed since it arrived (a
+        rewrite in place, a replacement): the content the fold would read is not what was queued
+        (the new content is announced, and queued, by its source). A missing original is left to
+        the kept copy (a retried expert whose original is gone still folds).
+
+        Raises:
+            CheckpointError: the arrival key of ``row.uri`` is not the queued one.
+        """
+        if not row.sha256.startswith(ARRIVAL_PREFIX) or not Path(row.uri).exists():
+            return
+        if arrival_key(row.uri, within=arrived_in) != row.sha256[len(ARRIVAL_PREFIX):]:
+            raise CheckpointError(f"expert {row.uri} changed since it was registered (its files' sizes, times "
+                                  "or inodes); nothing was folded")
+
+    def report_duplicate(self, expert_id: str, uri: str, of: ExpertRow) -> None:
+        """Record that ``expert_id`` at ``uri`` has the same weights as ``of``: a rejected
+        ``duplicate`` event in the history, ``mergestream_experts_rejected_total{stage="duplicate"}``
+        and one warning — once per content and location, not on every rescan or restart."""
+        seen = f"duplicate:{of.sha256}:{uri}"
+        if self.ledger.get_meta(seen) is not None:
+            return
+        self.ledger.set_meta(seen, {"of": of.expert_id, "time": time.time()})
+        # the same weights under another name: identity is the content, so it is not published again
+        reason = f"duplicate: same weights as expert {of.expert_id} ({of.uri}); not published again"
+        self.metrics.experts_rejected.labels(stage="duplicate").inc()
+        self.ledger.record_event("duplicate", expert_id=expert_id, policy=self.cfg.policy.name,
+                                 params={"uri": uri}, decision="rejected", reason=reason)
+        log.warning("expert %s at %s rejected: %s", expert_id, uri, reason)
 
     def _as_arrived(self, row: ExpertRow, reason: str) -> str:
         """A reason that names the expert where it arrived (the inbox file, the registry download),

@@ -9,9 +9,15 @@ from pathlib import Path
 from typing import Any
 
 
+#: the ledger's ``sha256`` of an expert queued but not yet read: this prefix + its arrival key
+#: (:func:`mergestream.io.expert_readers.arrival_key`); its fold replaces it with the content hash
+ARRIVAL_PREFIX = "arrival:"
+
+
 @dataclass(frozen=True)
 class ExpertRow:
-    """One expert as the ledger knows it."""
+    """One expert as the ledger knows it (``sha256``: its content hash, or ``arrival:<key>`` until
+    its fold has read it: :attr:`content_sha256`)."""
 
     row: int
     expert_id: str
@@ -25,6 +31,11 @@ class ExpertRow:
     version: int | None
     created: float
     updated: float
+
+    @property
+    def content_sha256(self) -> str | None:
+        """The expert's content hash (64 hex), or None while it is known by its arrival key only."""
+        return None if self.sha256.startswith(ARRIVAL_PREFIX) else self.sha256
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)

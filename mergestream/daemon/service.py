@@ -23,14 +23,15 @@ import time
 from ..config import Config, ConfigError
 from ..errors import CheckpointError, MergestreamError, os_error_text
 from ..io.checkpoints import open_checkpoint
-from ..io.expert_readers import content_sha256
+from ..io.expert_readers import arrival_key, content_sha256
 from ..io.input_formats import check_not_quantized
 from .feed_publish import FeedPublisher, build_feed_publisher
 from .http import ListenError, listen_hint
 from .ledger import Ledger
 from .metrics import Metrics, MetricsServer
 from .mirror import build_mirror
-from .pipeline import HASH_KEY, HASH_KIND, Pipeline
+from .pipeline import ARRIVAL_KIND, HASH_KEY, HASH_KIND, Pipeline
+from .records import ARRIVAL_PREFIX
 from .sources import ExpertReady, Source, SourceContext, build_sources, still_available
 from .store import Store, arrival_root
 from .rollback import roll_back
@@ -254,21 +255,28 @@ class Service:
 
     # -- sources -> ledger ----------------------------------------------------------------------------
     def on_expert_ready(self, ev: ExpertReady) -> None:
-        """Source callback (any thread): hash, enqueue idempotently, wake the loop.
+        """Source callback (any thread): identify, enqueue idempotently, wake the loop.
 
-        The same content arriving again under another name (or path) is not folded again: it is
-        recorded in the history as a rejected ``duplicate`` and counted in
-        ``mergestream_experts_rejected_total{stage="duplicate"}``.
+        An expert is queued under its arrival key (file names, sizes, mtimes, inodes:
+        :func:`~mergestream.io.expert_readers.arrival_key`), so it is read once, by its fold, which
+        computes its content hash; an arrival whose content an earlier fold read is known by that
+        hash at once. The same content arriving again under another name (or path) is not
+        published again: it is recorded in the history as a rejected ``duplicate`` and counted in
+        ``mergestream_experts_rejected_total{stage="duplicate"}`` — here when the content is
+        already known, else once its fold has read it (:meth:`Pipeline.fold`).
         """
+        within = arrival_root(ev.source, ev.uri, self.cfg.inbox)
         try:
             # a folder expert's links may point elsewhere in the inbox (the source refused any that leave
-            # it): hashed as the fold will see its kept copy, links resolved
-            sha = content_sha256(ev.uri, within=arrival_root(ev.source, ev.uri, self.cfg.inbox))
+            # it): identified as the fold will see its kept copy, links resolved
+            key = arrival_key(ev.uri, within=within)
+            known = self.ledger.known_arrival(key) if key is not None else None
+            sha = known or (ARRIVAL_PREFIX + key if key is not None else content_sha256(ev.uri, within=within))
         except OSError as exc:
             self.metrics.source_errors.labels(source=ev.source).inc()
             log.warning("cannot read expert %s: %s", ev.uri, exc)
             return
-        meta = {**dict(ev.metadata), HASH_KEY: HASH_KIND}
+        meta = {**dict(ev.metadata), HASH_KEY: ARRIVAL_KIND if sha.startswith(ARRIVAL_PREFIX) else HASH_KIND}
         row, new = self.ledger.enqueue(ev.expert_id, ev.source, ev.uri, sha, ev.registry_key, meta)
         for src in self.sources:
             if src.name == ev.source:
@@ -276,15 +284,8 @@ class Service:
         if new:
             self.metrics.experts_seen.labels(source=ev.source).inc()
             log.info("expert queued id=%s source=%s uri=%s", row.expert_id, ev.source, ev.uri)
-        elif row.uri != ev.uri and not (ev.registry_key and ev.registry_key == row.registry_key) \
-                and self.ledger.get_meta(f"duplicate:{sha}:{ev.uri}") is None:  # reported once, not per restart
-            self.ledger.set_meta(f"duplicate:{sha}:{ev.uri}", {"of": row.expert_id, "time": time.time()})
-            # the same weights under another name: identity is the content, so it is not folded again
-            reason = f"duplicate: same weights as expert {row.expert_id} ({row.uri}); not folded again"
-            self.metrics.experts_rejected.labels(stage="duplicate").inc()
-            self.ledger.record_event("duplicate", expert_id=ev.expert_id, policy=self.cfg.policy.name,
-                                     params={"uri": ev.uri}, decision="rejected", reason=reason)
-            log.warning("expert %s at %s rejected: %s", ev.expert_id, ev.uri, reason)
+        elif row.uri != ev.uri and not (ev.registry_key and ev.registry_key == row.registry_key):
+            self.pipeline.report_duplicate(ev.expert_id, ev.uri, row)
         self.metrics.queue_depth.set(self.ledger.queue_depth())
         self.wake.set()
 

@@ -42,6 +42,7 @@ from .checkpoints import (
     open_checkpoint,
     open_safetensors_file,
 )
+from .paths import confined_files
 from .s3_checkpoint import is_s3_path
 from .st import WEIGHTS_HASH_VERSION, json_type, load_json, weights_hash_version
 
@@ -441,6 +442,46 @@ def content_sha256(path: str | os.PathLike, within: str | os.PathLike | None = N
         pass
     files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file() and f.name != "READY")
     return file_sha256(files)
+
+
+def arrival_key(path: str | os.PathLike, within: str | os.PathLike | None = None) -> str | None:
+    """A cheap identity of an expert as it arrived, from file metadata only (no tensor byte read):
+    sha256 (64 hex) over a tag and, for each of its files in relative-name order (links inside
+    ``within`` followed, as :func:`content_sha256` and the daemon's kept copy see them), the name,
+    size in bytes, modification time (ns) and inode; a ``*.s3ref.json`` reference by its own bytes
+    (its bucket, keys and ETags). The daemon queues an expert under this key and learns its
+    :func:`content_sha256` on the fold's own pass, so an expert is read once per fold, not twice.
+
+    The same file announced again (a rescan, a restart) has the same key; a file rewritten in
+    place (new mtime) or replaced (new inode) has another. Two copies of one content have
+    different keys: content duplicates are found once the fold has read them.
+
+    Returns:
+        The key, or None for an ``s3://`` URI (nothing local to look at: hash the content instead).
+
+    Raises:
+        OSError: the path is gone or unreadable.
+    """
+    if is_s3_path(path) and not Path(path).is_file():
+        return None
+    p = Path(path)
+    h = hashlib.sha256(b"mergestream-arrival/1\x00")
+    if p.is_file() and p.name.endswith(".s3ref.json"):
+        h.update(p.read_bytes())
+        return h.hexdigest()
+    try:
+        files = confined_files(p, within if within is not None else (p if p.is_dir() else p.parent), str(p),
+                               error=OutsideRootError)
+    except OutsideRootError:  # refused when it is kept; named here by its links, not what they point at
+        files = [(f.relative_to(p), f) for f in sorted(p.rglob("*"))] if p.is_dir() else [(Path(p.name), p)]
+    for rel, real in files:
+        if p.is_dir() and rel.name == "READY":  # the folder source's marker, not the expert (as content_sha256)
+            continue
+        st_ = os.stat(real, follow_symlinks=False)
+        h.update(f"{rel.as_posix()}\x00{st_.st_size}\x00{st_.st_mtime_ns}\x00{st_.st_ino}\x00".encode())
+    if not files:
+        os.stat(p)  # a folder that is gone raises; an empty one still has a key
+    return h.hexdigest()
 
 
 def hash_matches(path: str | os.PathLike, sha: str, within: str | os.PathLike | None = None,
