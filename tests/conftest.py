@@ -55,6 +55,30 @@ def random_model(seed: int = 0, dtype: torch.dtype = torch.float32, m: int = 48,
     return {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in t.items()}
 
 
+#: files this process opens while :func:`opened_during` watches (an audit hook: the interpreter's own
+#: record of every ``open``, also of ``os.open``; files opened by native code or other processes are not seen)
+_OPENED: list[str] | None = None
+
+
+def _audit(event: str, args: tuple) -> None:
+    if _OPENED is not None and event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+        _OPENED.append(os.fsdecode(args[0]))
+
+
+sys.addaudithook(_audit)
+
+
+def opened_during(fn) -> list[str]:
+    """Run ``fn()`` and return the paths this process opened meanwhile (see :data:`_OPENED`)."""
+    global _OPENED
+    _OPENED = []
+    try:
+        fn()
+        return list(_OPENED)
+    finally:
+        _OPENED = None
+
+
 def stop_process_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
     """SIGTERM the process group of ``proc`` (started with ``start_new_session=True``), then SIGKILL
     it after ``grace`` seconds; a group already gone is fine."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,29 +17,7 @@ from mergestream.daemon.service import Service
 from mergestream.daemon.sources import ExpertReady
 from mergestream.io.expert_readers import arrival_key, content_sha256
 
-from .conftest import perturb, random_model, run_cli, save_tensors
-
-#: files opened while a test watches (an audit hook: the interpreter's own record of every open)
-_OPENED: list[str] | None = None
-
-
-def _audit(event: str, args: tuple) -> None:
-    if _OPENED is not None and event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
-        _OPENED.append(os.fsdecode(args[0]))
-
-
-sys.addaudithook(_audit)
-
-
-def _opened_during(fn) -> list[str]:
-    global _OPENED
-    _OPENED = []
-    try:
-        fn()
-        return list(_OPENED)
-    finally:
-        _OPENED = None
-
+from .conftest import opened_during, perturb, random_model, run_cli, save_tensors
 
 def _setup(tmp: Path, n: int) -> tuple[Path, list[Path]]:
     base = random_model(0)
@@ -74,7 +51,7 @@ def test_queueing_opens_no_file_of_the_expert_and_the_fold_records_its_content_h
     bpath, (e0,) = _setup(tmp_path, 1)
     svc = _service(tmp_path, bpath)
     try:
-        opened = _opened_during(lambda: _ready(svc, e0, "e0"))
+        opened = opened_during(lambda: _ready(svc, e0, "e0"))
         assert not [p for p in opened if Path(p).name == e0.name], opened  # stat only
         row = svc.ledger.expert("e0")
         assert row.sha256 == ARRIVAL_PREFIX + arrival_key(e0) and row.content_sha256 is None
@@ -107,7 +84,7 @@ def test_a_copy_under_another_name_is_found_by_its_fold_and_never_published(tmp_
         assert not list((tmp_path / "state" / "staging").iterdir())
         assert not (tmp_path / "state" / "experts" / "e0-copy").exists()  # its kept link went with it
         # a rescan or restart announces it again: known by its arrival key, nothing queued or read
-        opened = _opened_during(lambda: _ready(svc, Path(copy), "e0-copy"))
+        opened = opened_during(lambda: _ready(svc, Path(copy), "e0-copy"))
         assert svc.ledger.queue_depth() == 0 and not [p for p in opened if p.endswith("e0-copy.safetensors")]
         assert len([f for f in svc.ledger.folds() if f["kind"] == "duplicate"]) == 1
     finally:

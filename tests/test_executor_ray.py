@@ -26,7 +26,7 @@ from mergestream.engine.executors import make_executor  # noqa: E402
 from mergestream.io.checkpoints import open_safetensors_file  # noqa: E402
 from mergestream.io.state import StateDir  # noqa: E402
 
-from .conftest import perturb, random_model, save_tensors  # noqa: E402
+from .conftest import opened_during, perturb, random_model, save_tensors  # noqa: E402
 from .test_unmerge_policies import IDS, POLICIES  # noqa: E402
 
 #: small tasks, so that every fold here runs as several Ray tasks
@@ -134,7 +134,8 @@ def test_ray_fold_equals_local_fold_byte_for_byte(cluster, models, tmp_path, pol
 
 
 def test_ray_cmaes_search_runs_on_the_driver(cluster, models, tmp_path):
-    """MDM-OC with CMA-ES: tasks write the state, the search and the rewrite stay on the driver."""
+    """MDM-OC with CMA-ES: tasks write the state, the search (its objective evaluates whole models)
+    stays on the driver, the chosen output is written by tasks again."""
     bpath, experts = models
 
     def objective(alphas, weights):
@@ -363,10 +364,15 @@ def test_a_remembered_dead_cluster_is_refused(tmp_path, monkeypatch):
                                                 ("iso_c", {}), ("iso_cts", {})],
                          ids=["opcm-global", "opcm-reference-projection", "iso_c", "iso_cts"])
 def test_reference_modes_with_a_global_reduction_fold_the_same_on_ray(cluster, models, tmp_path, policy, params):
-    """OPCM's whole-model rescale (scope=global): the tasks write the per-tensor state, the driver
-    takes λ_t over every tensor's state and writes the output from it, as the local fold does."""
+    """OPCM's whole-model rescale (scope=global): the tasks write the per-tensor state and return its
+    partial sums, the driver finishes λ_t, and tasks write θ₀ + λ_t M_t — the driver opens no piece
+    of the state (no tensor passes through it), and the bytes are the local fold's."""
     bpath, experts = models
     out_l, st_l = _chain(tmp_path, "local", bpath, experts, policy, params)
-    out_r, st_r = _chain(tmp_path, "ray", bpath, experts, policy, params, executor=make_executor("ray", group_bytes=GROUP))
+    got: dict = {}
+    opened = opened_during(lambda: got.update(r=_chain(tmp_path, "ray", bpath, experts, policy, params,
+                                                       executor=make_executor("ray", group_bytes=GROUP))))
+    out_r, st_r = got["r"]
     assert _files(out_r) == _files(out_l)
     assert _state_bytes(st_r) == _state_bytes(st_l)
+    assert not [p for p in opened if Path(p).name.startswith("part-")], "the driver read the state"

@@ -33,13 +33,12 @@ from ..io.checkpoints import (
     default_expert_id,
     is_float_dtype,
     open_checkpoint,
-    open_safetensors_file,
     validate_against_base,
 )
 from ..io.expert_readers import DenseExpert, open_expert
 from ..io.s3_checkpoint import is_s3_uri
 from ..io.st import weights_hash_kind
-from ..io.state import SEP, FoldRecord, Manifest, StateDir, final_name, remove_file
+from ..io.state import FoldRecord, Manifest, StateDir, final_name, remove_file
 from ..io.writers import AppendWriter, ModelWriter, staged_output
 from ..policies import Policy, cmaes_coefficients, make_policy, stability_penalty
 from . import residuals
@@ -50,13 +49,13 @@ from .executors.parts import PartsPlan
 from .fold_tensor import FoldSinks, FoldSpec, MergeSpec, TensorFolder, TensorMerger, placement
 from .inspection import resolve_device
 from .options import DEFAULT_OPTIONS, ExecOptions
+from .rebuild import rebuild_remote, rewrite_from_state, state_reader
 from .passes import (
     NO_HASH,
     ExpertLoader,
     FoldReport,
     Stats,
     canonical_order,
-    cast_checked,
     finish_model,
     kept_ties,
     largest,
@@ -64,9 +63,8 @@ from .passes import (
     provenance,
     tied_groups,
     worker_threads,
-    write_with_aliases,
 )
-from .stream import Progress, run_stream, shared_cores
+from .stream import Progress, shared_cores
 
 log = logging.getLogger("mergestream.engine")
 
@@ -230,8 +228,8 @@ def _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, 
                 if search == "adamerging":  # the new expert's per-layer α, into a rewritten state file
                     learned = sd.new_file("state")
                     new_files.append(learned)
-                    profile, found = learn_layer_coefficients(pol, base_ck, _state_reader(state_path), objective, dev)
-                    write_learned_state(base_ck, _state_reader(state_path), profile, learned)
+                    profile, found = learn_layer_coefficients(pol, base_ck, state_reader(state_path)[1], objective, dev)
+                    write_learned_state(base_ck, state_reader(state_path)[1], profile, learned)
                     new_files.remove(state_path)
                     remove_file(state_path)
                     state_path = learned
@@ -240,12 +238,19 @@ def _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, 
                 elif search:
                     coeffs, found = _optimise_coefficients(pol, base_ck, state_path, coeffs, list(prev_coeffs),
                                                            objective, dev)
+                elif pol.scales_globally() and remote:  # the tasks return partial sums, finished here
+                    coeffs = list(prev_coeffs) + [rebuild_remote(pol, base_ck, _abs(base), state_path, None, writer,
+                                                                 aliases, dev, opts.executor, spec.torch_threads)]
                 elif pol.scales_globally():  # one λ_t for the whole model, from every tensor's new state
-                    read = _state_reader(state_path)
-                    coeffs = list(prev_coeffs) + [pol.global_scale(
-                        read(m.name) for m in metas if is_float_dtype(m.dtype) and m.name not in aliases)]
-                if search or pol.scales_globally():
-                    _rewrite_from_state(pol, base_ck, state_path, coeffs, writer, dev, opts.threads, aliases)
+                    st_ck, read = state_reader(state_path)
+                    with contextlib.closing(st_ck):
+                        coeffs = list(prev_coeffs) + [pol.global_scale(
+                            read(m.name) for m in metas if is_float_dtype(m.dtype) and m.name not in aliases)]
+                if (search or pol.scales_globally()) and remote:  # the tasks write it, as they wrote the pass
+                    rebuild_remote(pol, base_ck, _abs(base), state_path, coeffs, writer, aliases, dev, opts.executor,
+                                   spec.torch_threads)
+                elif search or pol.scales_globally():
+                    rewrite_from_state(pol, base_ck, state_path, coeffs, writer, dev, opts.threads, aliases)
                 finish_model(writer, base_ck, stage, contrib, untied=loader.untied)
             except BaseException:
                 writer.abort()
@@ -300,15 +305,6 @@ def _abs(path: str | os.PathLike) -> str:
     return str(Path(path).resolve())
 
 
-def _state_reader(path: Path) -> Callable[[str], dict[str, torch.Tensor]]:
-    ck = open_safetensors_file(path)
-    fields: dict[str, list[str]] = {}
-    for key in ck.keys():
-        t, _, f = key.rpartition(SEP)
-        fields.setdefault(t, []).append(f)
-    return lambda name: {f: ck.get(f"{name}{SEP}{f}") for f in fields.get(name, [])}
-
-
 def _tensor_reader(exp, base: Checkpoint) -> Callable[[str], torch.Tensor]:
     """``name -> tensor`` of an expert for :func:`~mergestream.engine.passes.kept_ties`: a dense expert's
     stored tensor, a LoRA adapter's task vector (θ₀'s tensor is the same for both names of a tie)."""
@@ -324,7 +320,7 @@ def weights_stream(pol: Policy, base: Checkpoint, state_path: Path, coeffs: list
     Yields ``(name, tensor)`` in θ₀'s order: float tensors as float32 on ``dev``, others as stored.
     What a coefficient search's objective reads (MDM-OC, METHODS.md "CMA-ES coefficients").
     """
-    read = _state_reader(state_path)
+    read = state_reader(state_path)[1]
     for m in base.metas():
         if not is_float_dtype(m.dtype):
             yield m.name, base.get(m.name)
@@ -350,25 +346,6 @@ def _optimise_coefficients(pol: Policy, base: Checkpoint, state_path: Path, star
     log.info("cmaes coefficients=%s objective_start=%.6g objective=%.6g evaluations=%d",
              [round(float(x), 4) for x in best], start_pen, loss, evals)
     return [float(x) for x in best], {"evaluations": float(evals), "objective_start": start_pen, "objective": float(loss)}
-
-
-def _rewrite_from_state(pol: Policy, base: Checkpoint, state_path: Path, coeffs: list[float],
-                        writer: ModelWriter, dev: torch.device, threads: int | None, aliases: dict[str, str]) -> None:
-    """Write θ(α) = θ₀ + Σ αᵢ dᵢ from the state: the output of a coefficient search, written once."""
-    read = _state_reader(state_path)
-
-    def load(name: str):
-        return None if name in aliases else (base.get(name), read(name))
-
-    def work(name: str, item) -> None:
-        b, st = item
-        meta = base.meta(name)
-        if is_float_dtype(meta.dtype) and st:
-            t = pol.rebuild(b.to(dev, torch.float32), {k: v.to(dev) for k, v in st.items()}, coeffs)
-            b = cast_checked(t, meta.dtype, name)
-        write_with_aliases(writer, name, b, aliases)
-
-    run_stream(canonical_order(base), load, work, threads=worker_threads(threads))
 
 
 def merge(base: str | os.PathLike, experts: list[str | os.PathLike], policy: str | Policy,

@@ -175,7 +175,25 @@ class Policy:
 
     def global_scale(self, states: Iterable[TensorState]) -> float:
         """The whole-model coefficient λ_t from every float tensor's new state (see
-        :meth:`scales_globally`).
+        :meth:`scales_globally`), in θ₀'s order: :meth:`finish_scale` of each :meth:`scale_partial`
+        (so a remote executor's tasks compute the partials where the state is and the driver
+        finishes them, with the very same floats).
+
+        Raises:
+            NotImplementedError: a policy that does not scale globally.
+        """
+        return self.finish_scale(self.scale_partial(st) for st in states)
+
+    def scale_partial(self, state: TensorState) -> list[float]:
+        """One tensor's share of :meth:`global_scale`: a few floats (partial sums), from its new state.
+
+        Raises:
+            NotImplementedError: a policy that does not scale globally.
+        """
+        raise NotImplementedError(f"policy {self.name} has no global scale")
+
+    def finish_scale(self, partials: Iterable[list[float]]) -> float:
+        """λ_t from every float tensor's :meth:`scale_partial`, in θ₀'s order.
 
         Raises:
             NotImplementedError: a policy that does not scale globally.

@@ -109,24 +109,30 @@ class Opcm(Policy):
         """Capability: the fold writes θ₀ + λ_t M_t after its pass, λ_t from :meth:`global_scale`."""
         return self.params.scope == "global"
 
-    def global_scale(self, states: Iterable[TensorState]) -> float:
-        """λ_t = mean_i ‖τ_i‖ / ‖M_t‖ over the whole model (``scope=global``).
+    def scale_partial(self, state: TensorState) -> list[float]:
+        """This tensor's share of λ_t (``scope=global``): ``[‖M_t‖², ‖τ_1‖², …, ‖τ_t‖²]`` in float64.
 
         Args:
-            states: every float tensor's new state: ``tau_sq`` (t,) ‖τ_i‖² of this tensor per fold,
-                ``merged`` M_t (float32, its shape).
+            state: the tensor's new state: ``tau_sq`` (t,) ‖τ_i‖² of this tensor per fold, ``merged``
+                M_t (float32, its shape).
+        """
+        return [float(state["merged"].double().square().sum()), *state["tau_sq"].double().tolist()]
+
+    def finish_scale(self, partials: Iterable[list[float]]) -> float:
+        """λ_t = mean_i ‖τ_i‖ / ‖M_t‖ over the whole model (``scope=global``; Tang et al. 2025,
+        OPCM, the reference's single norm rescale), the norms summed over tensors in θ₀'s order.
 
         Returns:
             λ_t (0.0 for M_t = 0).
         """
-        tau_sq, m_sq = None, 0.0
-        for st in states:
-            t = st["tau_sq"].double()
-            tau_sq = t if tau_sq is None else tau_sq + t
-            m_sq += float(st["merged"].double().square().sum())
+        tau_sq: list[float] | None = None
+        m_sq = 0.0
+        for part in partials:
+            m_sq += part[0]
+            tau_sq = list(part[1:]) if tau_sq is None else [a + b for a, b in zip(tau_sq, part[1:])]
         if tau_sq is None or m_sq == 0.0:
             return 0.0
-        return float(tau_sq.sqrt().mean()) / m_sq ** 0.5
+        return float(torch.tensor(tau_sq, dtype=torch.float64).sqrt().mean()) / m_sq ** 0.5
 
     def rebuild(self, base: Tensor, state: TensorState, coefficients: list[float]) -> Tensor | None:
         """θ_t = θ₀ + λ_t M_t (``scope=global``; λ_t the last coefficient), else None."""

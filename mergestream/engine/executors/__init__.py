@@ -31,12 +31,17 @@ What travels per policy (driver ⇄ tasks; never a tensor):
   fold; up: names, digests, statistics.
 * OPCM: its running scale (``norms``, ``lams``, ``lam``) is kept per tensor in the state; a task
   reads the tensor's entry from the state folder and writes the new one into its piece: correct
-  whatever the grouping.
+  whatever the grouping. With ``scope=global`` (one λ_t for the whole model) a second map's tasks
+  read their tensors' new state and return its partial sums (``[‖M_t‖², ‖τ_1‖², …]``, a few floats
+  per tensor: :meth:`~mergestream.policies.base.Policy.scale_partial`); the driver finishes λ_t in
+  θ₀'s order (the very floats of the local reduction) and a third map's tasks write θ₀ + λ_t M_t
+  (:mod:`mergestream.engine.rebuild`). The driver reads no state.
 * MDM-OC: its bases are per tensor (as above). With ``coefficients=cmaes`` the tasks write only the
-  state; the CMA-ES search over α (it needs every tensor) and the rewrite of the output from the
-  state run on the driver after the map, as in the local fold, reading the state pieces.
+  state; the CMA-ES search over α (its objective evaluates whole models) runs on the driver after
+  the map, as in the local fold, reading the state pieces; the output at the chosen α is written by
+  a rebuild map's tasks.
 * AdaMerging coefficients: the same: tasks write the state, the driver learns the per-layer α from
-  it and rewrites the state and the output.
+  it and rewrites the state; tasks write the output.
 
 Byte identity: tasks pin torch's intra-op thread count to the driver's
 (:attr:`~mergestream.engine.fold_tensor.FoldSpec.torch_threads`), so reductions split the same way,

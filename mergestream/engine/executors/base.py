@@ -42,6 +42,8 @@ class TensorMap:
         parts: for a remote executor: where its tasks write (:class:`~.parts.PartsPlan`).
         digests: filled by a remote executor: per expert, ``{name: sha256 of the stored bytes}`` of
             every tensor its tasks read (the weights hash is combined from them on the driver).
+        partials: filled by a remote executor: ``{name: what the task's worker returned}`` where it
+            returned something (a rebuild's partial sums, :mod:`mergestream.engine.rebuild`).
     """
 
     names: list[str]
@@ -59,6 +61,7 @@ class TensorMap:
     placement: Callable[[str], str] | None = None
     parts: Any = None
     digests: list[dict[str, bytes]] = field(default_factory=list)
+    partials: dict[str, Any] = field(default_factory=dict)
 
     def nbytes(self, name: str) -> int:
         """Bytes of θ₀'s tensor ``name``."""

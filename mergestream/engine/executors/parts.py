@@ -65,7 +65,8 @@ class PartResult:
         names: the tensors it folded. written: every planned tensor it wrote (aliases included).
         digests: per expert of the pass, ``{tensor name: sha256 of its stored bytes}`` (32 bytes each).
         stats: its ``Stats.add`` calls. bytes_written: model bytes written. seconds: wall time in the
-        worker; cpu_seconds: the CPU time its process spent on it (all threads).
+        worker; cpu_seconds: the CPU time its process spent on it (all threads). partials: what its
+        per-tensor worker returned, by tensor (a rebuild's partial sums: a few floats each).
     """
 
     names: list[str]
@@ -75,6 +76,7 @@ class PartResult:
     bytes_written: int = 0
     seconds: float = 0.0
     cpu_seconds: float = 0.0
+    partials: dict[str, Any] = field(default_factory=dict)
 
 
 class PartSinks:
@@ -129,8 +131,9 @@ def digest(t: torch.Tensor | None) -> bytes | None:
 
 
 def run_part(spec: Any, index: int, names: list[str], plan: PartsPlan, hook: Any = None) -> PartResult:
-    """One task: open the pass's inputs from ``spec`` (a :class:`~mergestream.engine.fold_tensor.FoldSpec`
-    or ``MergeSpec``), fold (or merge) ``names`` into shared storage, return metadata only.
+    """One task: open the pass's inputs from ``spec`` (a :class:`~mergestream.engine.fold_tensor.FoldSpec`,
+    ``MergeSpec`` or :class:`~mergestream.engine.rebuild.RebuildSpec`), fold (merge, rebuild) ``names``
+    into shared storage, return metadata only.
 
     Raises:
         Whatever the fold of a tensor raises; the task's pieces are removed first.
@@ -152,7 +155,9 @@ def run_part(spec: Any, index: int, names: list[str], plan: PartsPlan, hook: Any
                 d = digest(e)
                 if d is not None:
                     result.digests[i][name] = d
-            worker(name, item, part.sinks)
+            partial = worker(name, item, part.sinks)
+            if partial is not None:
+                result.partials[name] = partial
             del item
         part.finish(result)
     except BaseException:

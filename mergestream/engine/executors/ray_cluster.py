@@ -228,6 +228,7 @@ class RayExecutor:
         self.tasks = []
         self.received_bytes = 0
         job.digests[:] = [{} for _ in range(job.spec.expert_count)]
+        job.partials.clear()
         group: list[str] = []
         size = 0
 
@@ -247,6 +248,7 @@ class RayExecutor:
                 sinks.stats.add(stats, numel, nb)
             for mine, theirs in zip(job.digests, res.digests):
                 mine.update(theirs)
+            job.partials.update(res.partials)
             sinks.writer.mark_written(res.written, res.bytes_written)
             self.tasks.append((nbytes, res.seconds, res.cpu_seconds))
             if progress is not None:
