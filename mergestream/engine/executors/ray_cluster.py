@@ -55,6 +55,29 @@ def loopback_only() -> None:
     ray_constants.ENABLE_RAY_CLUSTER = False
 
 
+def shard_owners(plan: dict[str, tuple[str, int, tuple[int, ...], str]], aliases: dict[str, str]) -> dict[str, int]:
+    """For an ``s3://`` output, where one task owns whole shards: ``{tensor name: owner}``, the owner
+    being the number of its shard's group (shards whose tensors are tied, e.g. embeddings and the LM
+    head, form one group; else one shard per group), numbered in the order of the shards' files."""
+    shard_of = {name: where[0] for name, where in plan.items()}
+    parent = {path: path for path in shard_of.values()}
+
+    def find(x: str) -> str:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for alias, primary in aliases.items():
+        a, b = find(shard_of[alias]), find(shard_of[primary])
+        if a != b:
+            parent[max(a, b)] = min(a, b)
+    numbers: dict[str, int] = {}
+    for path in sorted(parent):
+        numbers.setdefault(find(path), len(numbers))
+    return {name: numbers[find(path)] for name, path in shard_of.items()}
+
+
 def group_target(total: int, cpus: int, group_bytes: int | None = None) -> int:
     """Bytes of θ₀ per task: ``group_bytes``, else total / (4 · cluster CPUs), at most
     :data:`MAX_GROUP_BYTES` (a task takes consecutive tensors in canonical order until it reaches it)."""
@@ -230,9 +253,25 @@ class RayExecutor:
         job.digests[:] = [{} for _ in range(job.spec.expert_count)]
         group: list[str] = []
         size = 0
+        # s3:// output: a task owns whole shards (their staging objects), frozen tensors included;
+        # it is submitted once the driver has seen every tensor of its shards
+        owners = shard_owners(job.parts.model, job.spec.aliases) if job.parts.s3 is not None else None
+        owned: dict[int, list[str]] = {}
+        frozen: dict[int, set[str]] = {}
+        left: dict[int, int] = {}
+        if owners is not None:
+            for name in names:
+                if place(name) != "skip":
+                    left[owners[name]] = left.get(owners[name], 0) + 1
 
-        def submit() -> None:
+        def submit(index: int | None = None) -> None:
             nonlocal group, size
+            if index is not None:  # an owner's shards
+                mine = owned.pop(index)
+                pending.append((task.remote(spec_ref, index, mine, plan_ref, self.task_hook,
+                                            frozenset(frozen.pop(index, ()))),
+                                mine, sum(size_of(n) for n in mine)))
+                return
             if group:
                 index = len(self.tasks) + len(pending)
                 pending.append((task.remote(spec_ref, index, group, plan_ref, self.task_hook),
@@ -260,15 +299,25 @@ class RayExecutor:
                 where = place(name)
                 if where == "skip":
                     continue
-                if where == "driver":
+                if owners is not None:
+                    owner = owners[name]
+                    if where == "driver":
+                        load(name)  # the frozen check; the owner copies θ₀'s tensor
+                        frozen.setdefault(owner, set()).add(name)
+                    owned.setdefault(owner, []).append(name)
+                    left[owner] -= 1
+                    if not left[owner]:
+                        submit(owner)
+                elif where == "driver":
                     item = load(name)
                     if item is not None:
                         work(name, item)
                     continue
-                group.append(name)
-                size += size_of(name)
-                if size >= target:
-                    submit()
+                else:
+                    group.append(name)
+                    size += size_of(name)
+                    if size >= target:
+                        submit()
                 while len(pending) > limit:
                     drain_one()
             submit()
@@ -277,6 +326,8 @@ class RayExecutor:
         except BaseException:
             for ref, _, _ in pending:
                 ray.cancel(ref, force=True)
+            if pending:  # until their workers are gone: none writes after the caller cleans up
+                ray.wait([ref for ref, _, _ in pending], num_returns=len(pending), timeout=30)
             raise
         log.info("ray fold tasks=%d cpus=%d task_seconds=%.2f received_bytes=%d", len(self.tasks), cpus,
                  sum(t[1] for t in self.tasks), self.received_bytes)
