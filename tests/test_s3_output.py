@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -153,6 +154,7 @@ def test_folds_to_s3_on_the_cluster_equal_local_folds_and_the_driver_carries_a_p
         down = sum(n for _, d, n in seen if d == "down")
         heads = sum(int.from_bytes(want[k][:8], "little") + 8 for k in shards)
         model_bytes = sum(len(want[k]) for k in shards)
+        print(f"{policy} fold {i + 1}: driver S3 bytes down {down}, up {up}; {len(shards)} shards, model {model_bytes}")
         assert down <= len(shards) * PART
         assert up <= len(shards) * PART + heads + small + 4096  # + current
         assert down + up < model_bytes / 2, (down, up, model_bytes)
@@ -197,3 +199,100 @@ def test_s3_output_needs_the_ray_executor(models, tmp_path):
         _fold(bpath, None, experts[0], "ties", {"k": 30}, tmp_path / "st", "s3://b/r/", "e0", LocalExecutor())
     assert not (tmp_path / "st").exists()
     assert not Path(os.getcwd(), "s3:").exists()
+
+
+def test_a_killed_worker_is_retried_and_overwrites_only_its_own_staging_object(cluster, s3, models, part, tmp_path):
+    """The worker of the first task to start dies (before it stages anything); Ray reruns the task,
+    which stages its shard under the same key: the version is the local fold's bytes and only the
+    version's objects and ``current`` are left."""
+    bpath, experts = models
+    bucket = s3.new_bucket("retry")
+    marker = tmp_path / "killed-once"
+
+    def kill_once(names):  # runs in the worker: the first task to get here dies with its process
+        try:
+            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return
+        os.close(fd)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    _fold(bpath, None, experts[0], "ties", {"k": 30}, tmp_path / "st-l", tmp_path / "local", "e0", LocalExecutor())
+    ex = make_executor("ray", task_hook=kill_once, max_retries=2)
+    rep = _fold(bpath, None, experts[0], "ties", {"k": 30}, tmp_path / "st-r", f"s3://{bucket}/r/", "e0", ex)
+    assert marker.exists()
+    assert objects(s3, bucket, "r/versions/000001/model/") == _files(tmp_path / "local")
+    assert sorted(objects(s3, bucket, "r/")) == sorted(["current"] + [f"versions/000001/model/{k}"
+                                                                      for k in _files(tmp_path / "local")])
+    assert rep.sha256 == engine.fold(bpath, None, experts[0], "ties", {"k": 30}, state_dir=tmp_path / "st-x",
+                                     out=tmp_path / "x", expert_id="e0").sha256
+
+
+def test_tied_tensors_in_two_shards_are_written_by_one_task(cluster, s3, tmp_path, part):
+    """θ₀ ties its LM head to its embeddings and the shard cap puts them in different shards: the
+    task that folds the embeddings owns both shards (its staging objects), same bytes as local."""
+    base = random_model(3, torch.bfloat16)
+    base["lm_head.weight"] = base["embed.word_embeddings.weight"].clone()
+    bpath = save_tensors(tmp_path / "base.safetensors", base)
+    e = perturb(base, 0.05, 20)
+    e["lm_head.weight"] = e["embed.word_embeddings.weight"].clone()
+    epath = save_tensors(tmp_path / "e.safetensors", e)
+    bucket = s3.new_bucket("tied")
+    opts = {"threads": 1, "max_shard_bytes": 2048}
+    engine.fold(bpath, None, epath, "ties", {"k": 30}, state_dir=tmp_path / "st-l", out=tmp_path / "local",
+                expert_id="e0", options=ExecOptions(**opts))
+    ex = make_executor("ray")
+    engine.fold(bpath, None, epath, "ties", {"k": 30}, state_dir=tmp_path / "st-r", out=f"s3://{bucket}/t/",
+                expert_id="e0", options=ExecOptions(executor=ex, **opts))
+    want = _files(tmp_path / "local")
+    shards = [k for k in want if k.endswith(".safetensors")]
+    assert len(shards) > 3 and len(ex.tasks) < len(shards)
+    assert objects(s3, bucket, "t/versions/000001/model/") == want
+
+
+@pytest.mark.slow
+def test_with_s3s_own_part_size_the_driver_carries_5_mib_per_shard_of_a_larger_model(cluster, s3, tmp_path,
+                                                                                       monkeypatch):
+    """The real part size (5 MiB) on shards of 24 MiB: the driver's traffic is one part each way per
+    shard, well under the model's 48 MiB."""
+    g = torch.Generator().manual_seed(1)
+    base = {f"layer.{i}.mlp.weight": (torch.randn(3072, 2048, generator=g) * 0.1).to(torch.bfloat16) for i in range(4)}
+    base["position_ids"] = torch.arange(16)[None]
+    bpath = save_tensors(tmp_path / "base.safetensors", base)
+    epath = save_tensors(tmp_path / "e.safetensors", perturb(base, 0.05, 2))
+    bucket = s3.new_bucket("big")
+    opts = {"threads": 1, "max_shard_bytes": 24 * 1024**2 + 1024}
+    engine.fold(bpath, None, epath, "task_arithmetic", {"lambda": 0.5}, state_dir=tmp_path / "st-l",
+                out=tmp_path / "local", expert_id="e0", options=ExecOptions(**opts))
+    seen = traffic(monkeypatch)
+    engine.fold(bpath, None, epath, "task_arithmetic", {"lambda": 0.5}, state_dir=tmp_path / "st-r",
+                out=f"s3://{bucket}/big/", expert_id="e0", options=ExecOptions(executor=make_executor("ray"), **opts))
+    want = _files(tmp_path / "local")
+    shards = [k for k in want if k.endswith(".safetensors")]
+    assert len(shards) == 2
+    assert objects(s3, bucket, "big/versions/000001/model/") == want
+    down = sum(n for _, d, n in seen if d == "down")
+    up = sum(n for _, d, n in seen if d == "up")
+    model_bytes = sum(len(want[k]) for k in shards)
+    print(f"driver S3 bytes: down {down}, up {up}; model {model_bytes}")
+    assert down <= 2 * s3_output.PART_MIN
+    assert up <= 2 * s3_output.PART_MIN + sum(len(v) for k, v in want.items() if k not in shards) + 8192
+    assert down + up < model_bytes / 2
+
+
+def test_cli_folds_to_a_bucket_with_the_ray_executor_and_refuses_it_without(cluster, s3, models, part, tmp_path):
+    from click.testing import CliRunner
+
+    from mergestream.cli import cli
+
+    bpath, experts = models
+    bucket = s3.new_bucket("cli")
+    args = ["fold", "--base", str(bpath), "--expert", str(experts[0]), "--policy", "ties", "--set", "k=30",
+            "--threads", "1", "-q", "--max-shard-size", str(SHARD), "--out", f"s3://{bucket}/c/"]
+    r = CliRunner().invoke(cli, [*args, "--state", str(tmp_path / "s1")])
+    assert r.exit_code == 2 and "needs the ray executor" in r.output, r.output
+    assert not objects(s3, bucket)
+    r = CliRunner().invoke(cli, [*args, "--state", str(tmp_path / "s2"), "--executor", "ray", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["out"] == f"s3://{bucket}/c/versions/000001/model/"
+    assert json.loads(objects(s3, bucket, "c/")["current"])["version"] == 1

@@ -1,4 +1,5 @@
-"""The Ray executor: a pass's float tensors folded by Ray tasks that read and write shared storage.
+"""The Ray executor: a pass's float tensors folded by Ray tasks that read and write shared storage
+(or stage whole output shards in a bucket, :mod:`mergestream.io.s3_output`).
 
 The only module of the package that imports ``ray`` (the optional extra ``mergestream[ray]``);
 the design and the per-policy handling are in :mod:`mergestream.engine.executors`.
@@ -218,7 +219,9 @@ class RayExecutor:
         In canonical order on the driver: ``job.hook(name)``, then by ``job.placement(name)``: a
         ``driver`` tensor (frozen) is loaded and written here (``job.load`` / ``job.work``), a
         ``remote`` one joins the current task group, a ``skip`` one (a tied alias) is written by its
-        primary's task. Each task returns a :class:`~.parts.PartResult` (metadata only): its
+        primary's task. With an ``s3://`` output (``job.parts.s3``) a task owns whole shards
+        instead (:func:`shard_owners`): it is submitted once the driver has seen every tensor of its
+        shards, and it also copies their frozen tensors (the driver only checks them). Each task returns a :class:`~.parts.PartResult` (metadata only): its
         statistics go to ``job.sinks.stats``, its digests to ``job.digests``, its written tensors to
         the model writer's account. ``job.threads``, ``prefetch`` and ``budget`` are the local
         executor's and are not used.
