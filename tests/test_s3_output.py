@@ -191,6 +191,20 @@ def test_a_failing_task_leaves_nothing_in_the_bucket_and_current_unchanged(clust
     assert objects(s3, bucket) == before, "a staging object or a part of version 2 was left, or current moved"
     assert not uploads(s3, bucket)
     assert _files(tmp_path / "st") == state_before
+    # every task staged its shard, then the driver refuses the fold (the expert is not the one recorded)
+    from mergestream.errors import CorruptCheckpointError
+
+    with pytest.raises(CorruptCheckpointError):
+        _fold(bpath, first.out, experts[1], "ties", {"k": 30}, tmp_path / "st", root, "e1", make_executor("ray"),
+              expect_sha256="0" * 64)
+    assert objects(s3, bucket) == before and not uploads(s3, bucket)
+    assert _files(tmp_path / "st") == state_before
+    # a version whose pointer was lost is never written over: the next fold is version 3
+    s3.client().put_object(Bucket=bucket, Key="r/versions/000002/model/stray", Body=b"x")
+    rep = _fold(bpath, first.out, experts[1], "ties", {"k": 30}, tmp_path / "st", root, "e1", make_executor("ray"))
+    assert rep.out == f"{root}versions/000003/model/"
+    assert objects(s3, bucket, "r/versions/000002/") == {"model/stray": b"x"}
+    assert json.loads(objects(s3, bucket, "r/")["current"])["version"] == 3
 
 
 def test_s3_output_needs_the_ray_executor(models, tmp_path):
@@ -198,6 +212,8 @@ def test_s3_output_needs_the_ray_executor(models, tmp_path):
     with pytest.raises(ValidationError, match="needs the ray executor"):
         _fold(bpath, None, experts[0], "ties", {"k": 30}, tmp_path / "st", "s3://b/r/", "e0", LocalExecutor())
     assert not (tmp_path / "st").exists()
+    with pytest.raises(ValidationError, match="unmerge writes its output to a folder"):
+        engine.unmerge(tmp_path / "st", "e0", "subtract", out="s3://b/r/")
     assert not Path(os.getcwd(), "s3:").exists()
 
 

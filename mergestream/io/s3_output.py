@@ -8,8 +8,8 @@ Layout under the output URI ``s3://bucket/root/`` (the publish mirror's, :mod:`m
     .staging-<hex>/<shard>         while a pass runs: each shard's tensor data (no header), one object
                                    per shard, written by the one task that owns the shard
 
-Each output is a new version (the number after ``current``'s, 1 when there is none); earlier versions
-are kept. Readers read ``current`` and then the files it names; S3 replaces an object atomically, so
+Each output is a new version (the number after ``current``'s and after every listed version's, 1
+for an empty root); earlier versions are kept. Readers read ``current`` and then the files it names; S3 replaces an object atomically, so
 they never see half a version.
 
 Who carries what
@@ -185,7 +185,7 @@ class S3Output:
     def __init__(self, uri: str):
         self.bucket, self.root = _root(uri)
         self.client = make_client()
-        self.number = self._current_number() + 1
+        self.number = max(self._current_number(), self._last_listed()) + 1
         self.vprefix = f"{self.root}{version_prefix(self.number)}"
         self.staging = f"{self.root}.staging-{uuid.uuid4().hex[:12]}/"
         self.uri_out = f"s3://{self.bucket}/{self.vprefix}model/"
@@ -206,6 +206,23 @@ class S3Output:
             return int(json.loads(body)["version"])
         except (ValueError, KeyError, TypeError):
             raise OutputStorageError(f"s3://{self.bucket}/{self.root}{POINTER} is not a version pointer") from None
+
+    def _last_listed(self) -> int:
+        """The highest version number with objects under ``root/versions/`` (0: none), so that a
+        root whose ``current`` was lost is never written over."""
+        top = 0
+        try:
+            pages = self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=f"{self.root}versions/", Delimiter="/")
+            for page in pages:
+                for p in page.get("CommonPrefixes", []):
+                    name = p["Prefix"].rstrip("/").rsplit("/", 1)[-1]
+                    if name.isdigit():
+                        top = max(top, int(name))
+        except Exception as exc:
+            raise OutputStorageError(f"s3://{self.bucket}/{self.root}versions/: cannot list the versions: "
+                                     f"{error_code(exc) or type(exc).__name__}") from exc
+        return top
 
     def target(self, layout: list[tuple[Path, int, int]]) -> S3Target:
         """The tasks' :class:`S3Target` for a planned output (``ModelWriter.layout()``: each shard's
