@@ -23,6 +23,7 @@ from mergestream.engine import ExecOptions, LocalExecutor  # noqa: E402
 from mergestream.engine.executors import make_executor  # noqa: E402
 from mergestream.errors import ValidationError  # noqa: E402
 from mergestream.io import s3_output  # noqa: E402
+from mergestream.io.state import StateDir  # noqa: E402
 
 from .conftest import perturb, random_model, save_tensors  # noqa: E402
 from .s3_server import TEST_CREDENTIALS, run_s3_server  # noqa: E402
@@ -207,14 +208,35 @@ def test_a_failing_task_leaves_nothing_in_the_bucket_and_current_unchanged(clust
     assert json.loads(objects(s3, bucket, "r/")["current"])["version"] == 3
 
 
-def test_s3_output_needs_the_ray_executor(models, tmp_path):
+def test_the_local_executor_uploads_its_output_and_unmerge_refuses_a_bucket(s3, models, tmp_path, monkeypatch):
+    """Without remote tasks the output is written here and uploaded as files: the same version."""
     bpath, experts = models
-    with pytest.raises(ValidationError, match="needs the ray executor"):
-        _fold(bpath, None, experts[0], "ties", {"k": 30}, tmp_path / "st", "s3://b/r/", "e0", LocalExecutor())
-    assert not (tmp_path / "st").exists()
+    bucket = s3.new_bucket("local")
+    _fold(bpath, None, experts[0], "ties", {"k": 30}, tmp_path / "st-l", tmp_path / "local", "e0", LocalExecutor())
+    seen = traffic(monkeypatch)
+    rep = _fold(bpath, None, experts[0], "ties", {"k": 30}, tmp_path / "st", f"s3://{bucket}/r", "e0",
+                LocalExecutor())
+    assert rep.out == f"s3://{bucket}/r/versions/000001/model/"
+    assert objects(s3, bucket, "r/versions/000001/model/") == _files(tmp_path / "local")
+    assert sum(n for _, d, n in seen if d == "up") >= sum(len(v) for v in _files(tmp_path / "local").values())
+    assert StateDir(tmp_path / "st").manifest.backbone == rep.out
     with pytest.raises(ValidationError, match="unmerge writes its output to a folder"):
         engine.unmerge(tmp_path / "st", "e0", "subtract", out="s3://b/r/")
-    assert not Path(os.getcwd(), "s3:").exists()
+
+
+def test_opcm_global_on_ray_is_rewritten_on_the_driver_and_uploaded(cluster, s3, models, part, tmp_path):
+    """OPCM ``scope=global``: the driver writes the output from the state after the map (the tasks
+    stage nothing); the version equals the local fold, no staging object is left."""
+    bpath, experts = models
+    bucket = s3.new_bucket("opcm")
+    params = {"alpha": 0.5, "scope": "global"}
+    _fold(bpath, None, experts[0], "opcm", params, tmp_path / "st-l", tmp_path / "local", "e0", LocalExecutor())
+    _fold(bpath, None, experts[0], "opcm", params, tmp_path / "st-r", f"s3://{bucket}/o/", "e0",
+          make_executor("ray"))
+    want = _files(tmp_path / "local")
+    assert objects(s3, bucket, "o/") == {"current": objects(s3, bucket, "o/")["current"],
+                                         **{f"versions/000001/model/{k}": v for k, v in want.items()}}
+    assert _state_bytes(tmp_path / "st-r") == _state_bytes(tmp_path / "st-l")
 
 
 def test_a_killed_worker_is_retried_and_overwrites_only_its_own_staging_object(cluster, s3, models, part, tmp_path):
@@ -296,7 +318,7 @@ def test_with_s3s_own_part_size_the_driver_carries_5_mib_per_shard_of_a_larger_m
     assert down + up < model_bytes / 2
 
 
-def test_cli_folds_to_a_bucket_with_the_ray_executor_and_refuses_it_without(cluster, s3, models, part, tmp_path):
+def test_cli_folds_to_a_bucket_with_either_executor(cluster, s3, models, part, tmp_path):
     from click.testing import CliRunner
 
     from mergestream.cli import cli
@@ -305,10 +327,14 @@ def test_cli_folds_to_a_bucket_with_the_ray_executor_and_refuses_it_without(clus
     bucket = s3.new_bucket("cli")
     args = ["fold", "--base", str(bpath), "--expert", str(experts[0]), "--policy", "ties", "--set", "k=30",
             "--threads", "1", "-q", "--max-shard-size", str(SHARD), "--out", f"s3://{bucket}/c/"]
-    r = CliRunner().invoke(cli, [*args, "--state", str(tmp_path / "s1")])
-    assert r.exit_code == 2 and "needs the ray executor" in r.output, r.output
-    assert not objects(s3, bucket)
-    r = CliRunner().invoke(cli, [*args, "--state", str(tmp_path / "s2"), "--executor", "ray", "--json"])
+    r = CliRunner().invoke(cli, [*args, "--state", str(tmp_path / "s1"), "--json"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.output)["out"] == f"s3://{bucket}/c/versions/000001/model/"
-    assert json.loads(objects(s3, bucket, "c/")["current"])["version"] == 1
+    r = CliRunner().invoke(cli, [*args, "--state", str(tmp_path / "s2"), "--executor", "ray", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["out"] == f"s3://{bucket}/c/versions/000002/model/"
+    assert json.loads(objects(s3, bucket, "c/")["current"])["version"] == 2
+    assert objects(s3, bucket, "c/versions/000001/") == objects(s3, bucket, "c/versions/000002/")
+    r = CliRunner().invoke(cli, ["fold", "--base", str(bpath), "--expert", str(experts[0]), "--policy", "ties",
+                                 "--state", str(tmp_path / "s3"), "-q", "--out", "s3://no-such-bucket/x/"])
+    assert r.exit_code == 2 and "NoSuchBucket" in r.output and "Traceback" not in r.output, r.output

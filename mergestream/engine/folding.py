@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import CorruptCheckpointError, MergestreamError, OutputExistsError, PolicyError, StateError, ValidationError
+from ..errors import CorruptCheckpointError, MergestreamError, OutputExistsError, PolicyError, StateError
 from ..io.checkpoints import (
     Checkpoint,
     default_expert_id,
@@ -38,7 +38,7 @@ from ..io.checkpoints import (
 )
 from ..io.expert_readers import DenseExpert, open_expert
 from ..io.s3_checkpoint import is_s3_uri
-from ..io.s3_output import S3Output, remote_output_error
+from ..io.s3_output import S3Output
 from ..io.st import weights_hash_kind
 from ..io.state import SEP, FoldRecord, Manifest, StateDir, final_name, remove_file
 from ..io.writers import AppendWriter, ModelWriter, staged_output
@@ -88,10 +88,10 @@ def fold(base: str | os.PathLike, backbone: str | os.PathLike | None, expert: st
         policy: a registered name (with ``params``) or a :class:`Policy` (``params`` then unused).
         state_dir: the policy state folder (created at the first fold, updated atomically).
         out: output folder (must not exist unless ``options.overwrite``); staged and renamed into place.
-            With the Ray executor also ``s3://bucket/root/``: a new version
-            ``root/versions/NNNNNN/model/`` written by the tasks, ``root/current`` replaced last
-            (:mod:`mergestream.io.s3_output`; the report's ``out`` is the version's URI). The state
-            folder stays a filesystem path.
+            Or ``s3://bucket/root/``: a new version ``root/versions/NNNNNN/model/`` (written by the
+            Ray executor's tasks; uploaded from this process with the local executor), and
+            ``root/current`` replaced last (:mod:`mergestream.io.s3_output`; the report's ``out`` is
+            the version's URI). The state folder stays a filesystem path.
         expert_id: defaults to :func:`~mergestream.io.checkpoints.default_expert_id`.
         objective: for a policy that searches coefficients: ``mdm_oc`` with ``coefficients=cmaes``
             (an :data:`Objective`) or ``coefficients=adamerging`` (a differentiable
@@ -114,9 +114,8 @@ def fold(base: str | os.PathLike, backbone: str | os.PathLike | None, expert: st
         PolicyError: unknown policy, bad parameters, or another policy than the state's.
         NonFiniteError: a result overflowed its dtype. OutputExistsError: ``out`` exists.
         CorruptCheckpointError: the expert's content hash is not ``expect_sha256``.
-        ValidationError: an ``s3://`` output with the local executor, or with a policy whose output
-            the driver rewrites (a coefficient search, OPCM ``scope=global``). OutputStorageError: the
-            output's bucket failed (nothing published, ``current`` unchanged).
+        OutputStorageError: an ``s3://`` output's bucket failed (nothing published, ``current``
+            unchanged).
     """
     pin_mmap_threshold()
     t0 = time.perf_counter()
@@ -144,7 +143,7 @@ def fold(base: str | os.PathLike, backbone: str | os.PathLike | None, expert: st
         raise StateError(f"state {sd.path} was built on another base ({man.base})")
     if pol.searches_coefficients() and objective is None:
         raise PolicyError(f"coefficients={pol.searches_coefficients()} needs an objective (--objective module:function)")
-    s3out = _s3_output(out, opts, pol)
+    s3out = _s3_output(out)
     exp = open_expert(expert, base_ck)
     try:
         validate_against_base(base_ck, exp, role="expert", deep=False)
@@ -213,7 +212,8 @@ def _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, 
                                     _abs(sd.path), aliases, loader.where, n_prev, prev_coeffs, str(dev),
                                     1 if lin is not None else torch.get_num_threads())
                     parts = PartsPlan(writer.plan(), str(state_path), str(contrib_path) if contrib_path else None,
-                                      eid, lin, _abs(expert), s3out.target(writer.layout()) if s3out else None) \
+                                      eid, lin, _abs(expert), s3out.target(writer.layout(), not (search or pol.scales_globally()))
+                                      if s3out else None) \
                         if remote else None
                     job = TensorMap(
                         loader.names, loader.load, work, sinks, spec, base_ck, threads=worker_threads(opts.threads),
@@ -221,6 +221,8 @@ def _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, 
                         progress=bar, hook=tensor_hook, placement=placement(base_ck, aliases) if remote else None,
                         parts=parts)
                     tasks = opts.executor.map(job)
+                if s3out is not None and not remote:
+                    s3out.written_here()
                 if not loader.dense:
                     sha = exp.sha256()
                 else:
@@ -256,6 +258,8 @@ def _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, 
                         read(m.name) for m in metas if is_float_dtype(m.dtype) and m.name not in aliases)]
                 if search or pol.scales_globally():
                     _rewrite_from_state(pol, base_ck, state_path, coeffs, writer, dev, opts.threads, aliases)
+                    if s3out is not None:
+                        s3out.written_here()  # every shard is in the planning folder now
                 finish_model(writer, base_ck, stage, contrib, untied=loader.untied)
             except BaseException:
                 writer.abort()
@@ -307,16 +311,12 @@ def _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, 
     return report
 
 
-def _s3_output(out: str | os.PathLike, opts: ExecOptions, pol: Policy) -> S3Output | None:
+def _s3_output(out: str | os.PathLike) -> S3Output | None:
     """The :class:`~mergestream.io.s3_output.S3Output` of an ``s3://`` output (None for a folder).
 
     Raises:
-        ValidationError: an ``s3://`` output with the local executor, or with a policy whose output
-            the driver rewrites after the pass. OutputStorageError: the bucket cannot be read.
+        OutputStorageError: the bucket cannot be read.
     """
-    why = remote_output_error(out, opts.executor.remote, bool(pol.searches_coefficients() or pol.scales_globally()))
-    if why:
-        raise ValidationError(why)
     return S3Output(str(out)) if is_s3_uri(out) else None
 
 
@@ -414,7 +414,7 @@ def merge(base: str | os.PathLike, experts: list[str | os.PathLike], policy: str
         base: θ₀ (file or folder). experts: dense checkpoints or PEFT LoRA adapter folders.
         policy: a registered name (with ``params``) or a :class:`Policy`.
         out: output folder (must not exist unless ``options.overwrite``); staged and renamed into place;
-            with the Ray executor also ``s3://bucket/root/`` (as for :func:`fold`).
+            or ``s3://bucket/root/`` (as for :func:`fold`).
         options: how it runs (:class:`~mergestream.engine.options.ExecOptions`); None: the defaults.
 
     Each expert is read once (hashed on the way; twice with a remote ``options.executor``, see
@@ -435,7 +435,7 @@ def merge(base: str | os.PathLike, experts: list[str | os.PathLike], policy: str
         raise MergestreamError("merge needs at least one expert")
     if Path(out).exists() and not opts.overwrite:
         raise OutputExistsError(f"{out} already exists; choose a new output path")
-    s3out = _s3_output(out, opts, pol)
+    s3out = _s3_output(out)
     base_ck = open_checkpoint(base)
     exps = [open_expert(e, base_ck) for e in experts]
     try:
@@ -472,6 +472,8 @@ def merge(base: str | os.PathLike, experts: list[str | os.PathLike], policy: str
                                     parts=PartsPlan(writer.plan(), s3=s3out.target(writer.layout()) if s3out else None)
                                     if remote else None)
                     opts.executor.map(job)
+                if s3out is not None and not remote:
+                    s3out.written_here()
                 shas = [(ld.sha256_from(job.digests[i]) if remote else ld.reader.sha256()) if ld.dense else e.sha256()
                         for i, (ld, e) in enumerate(zip(loaders, exps))]
                 records = [{"id": default_expert_id(p), "sha256": s} for p, s in zip(experts, shas)]

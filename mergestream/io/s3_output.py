@@ -25,6 +25,12 @@ Who carries what
     up per shard (a shard smaller than that: its size), plus the small files; never the model.
     Then the index, the aux files and the card, then ``current``, then the staging objects are deleted.
 
+Without remote tasks
+    The local executor writes the shards into the planning folder itself, and the upload sends
+    them as files: every byte passes through this process (as it does to a folder). A policy whose
+    output the driver rewrites after the map (a coefficient search, OPCM ``scope=global``) does
+    the same on Ray: its tasks then stage nothing (they write only the state).
+
 Failures
     A failed pass (a task, the driver, a validation) aborts the multipart uploads it started and
     deletes its staging objects and whatever it put under its version's prefix: ``current`` and
@@ -79,11 +85,14 @@ class S3Target:
     Attributes:
         bucket: the bucket. staging: the key prefix of the staging objects (ends with ``/``).
         shards: ``{shard file name: (header bytes, data bytes)}`` of the planned output.
+        upload: False when the driver writes the output itself after the map (a coefficient search,
+            a global scale): the tasks' writes are then dropped, nothing is staged.
     """
 
     bucket: str
     staging: str
     shards: dict[str, tuple[int, int]]
+    upload: bool = True
 
     def key(self, shard: str) -> str:
         """The staging object of shard file ``shard`` (its data, without header)."""
@@ -132,7 +141,11 @@ class StagingWriter(PartWriter):
         Raises:
             OutputStorageError: a shard is incomplete, or an upload failed.
         """
-        super().close()
+        while self._fds:  # a spool file: no fsync, it is read back at once and then deleted
+            os.close(self._fds.popitem()[1])
+        if not self.target.upload:
+            shutil.rmtree(self._spool, ignore_errors=True)
+            return
         client = make_client()
         try:
             for path, written in sorted(self._sizes.items()):
@@ -192,6 +205,7 @@ class S3Output:
         self.files: dict[str, int] = {}
         self.driver_bytes = 0
         self._target: S3Target | None = None
+        self._whole = False
         self._committed = False
 
     def _current_number(self) -> int:
@@ -224,11 +238,18 @@ class S3Output:
                                      f"{error_code(exc) or type(exc).__name__}") from exc
         return top
 
-    def target(self, layout: list[tuple[Path, int, int]]) -> S3Target:
+    def target(self, layout: list[tuple[Path, int, int]], upload: bool = True) -> S3Target:
         """The tasks' :class:`S3Target` for a planned output (``ModelWriter.layout()``: each shard's
-        path, header bytes and data bytes)."""
-        self._target = S3Target(self.bucket, self.staging, {p.name: (head, data) for p, head, data in layout})
+        path, header bytes and data bytes). ``upload`` False: the driver writes the output after
+        the map (then also call :meth:`written_here`); the tasks stage nothing."""
+        self._target = S3Target(self.bucket, self.staging, {p.name: (head, data) for p, head, data in layout}, upload)
         return self._target
+
+    def written_here(self) -> None:
+        """Say that the planning folder holds every shard in full (the local executor wrote it, or the
+        driver rewrote the output after the map): :meth:`upload` then uploads the shards as files
+        and ignores the staging objects (deleted with the staging prefix)."""
+        self._whole = True
 
     @contextlib.contextmanager
     def staged(self) -> Iterator[Path]:
@@ -250,13 +271,15 @@ class S3Output:
 
     def upload(self, folder: Path) -> dict[str, int]:
         """Assemble every final shard from its staging object and the header in ``folder``, then
-        upload the other files of ``folder`` (index, config, tokenizer, card). ``current`` is not
+        upload the other files of ``folder`` (index, config, tokenizer, card); without staged
+        shards (no :meth:`target`, or :meth:`written_here`) every file of ``folder`` is uploaded
+        as it is (boto3's managed transfer: multipart, bounded memory). ``current`` is not
         touched. Returns ``{rel: bytes}`` (rel under the version's prefix, ``model/...``).
 
         Raises:
             OutputStorageError: a staging object is missing or a call failed.
         """
-        shards = self._target.shards if self._target is not None else {}
+        shards = self._target.shards if self._target is not None and not self._whole else {}
         files: dict[str, int] = {}
         try:
             for name, (head, data) in sorted(shards.items()):
@@ -367,19 +390,4 @@ class S3Output:
                 c.delete_objects(Bucket=self.bucket, Delete={"Objects": keys, "Quiet": True})
 
 
-def remote_output_error(out: Any, remote: bool, rewrites: bool) -> str | None:
-    """Why output ``out`` cannot be written by this pass (None: it can): an ``s3://`` output needs a
-    remote executor (whose tasks stage the shards) and a policy whose output is written by the map
-    (not rewritten on the driver after a coefficient search or a global scale)."""
-    if not (isinstance(out, str) and out.startswith("s3://")):
-        return None
-    if not remote:
-        return ("an s3:// output needs the ray executor (its tasks write the shards); with the local executor "
-                "write to a folder")
-    if rewrites:
-        return ("an s3:// output cannot be rewritten on the driver after the pass (coefficient search, "
-                "opcm scope=global): write to a folder")
-    return None
-
-
-__all__ = ["PART_MIN", "OutputStorageError", "S3Output", "S3Target", "StagingWriter", "remote_output_error"]
+__all__ = ["PART_MIN", "OutputStorageError", "S3Output", "S3Target", "StagingWriter"]

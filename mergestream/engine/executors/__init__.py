@@ -46,7 +46,8 @@ driver plans the headers in a local folder and assembles each final shard with o
 (the final header and the first part's bytes through it: at most 5 MiB each way per shard; the rest
 server-side copies), then uploads the index and the aux files, and after the state's commit
 replaces ``current``. The state folder stays on a filesystem; a policy whose output the driver
-rewrites after the map is refused with an ``s3://`` output.
+rewrites after the map (a coefficient search, OPCM ``scope=global``) stages nothing: the driver
+uploads the shards it wrote, as the local executor's output is uploaded.
 
 Byte identity: tasks pin torch's intra-op thread count to the driver's
 (:attr:`~mergestream.engine.fold_tensor.FoldSpec.torch_threads`), so reductions split the same way,
