@@ -6,6 +6,9 @@ into pieces of their own (``part-NNNNN.safetensors`` in the pieces folders of
 :meth:`~mergestream.io.state.StateDir.new_pieces`), and hashes every expert tensor it reads
 (:func:`mergestream.io.st.tensor_digest`). What travels back to the driver is a :class:`PartResult`:
 names, per-tensor digests (32 bytes each), the policy statistics and byte counts. No tensor.
+With an ``s3://`` output the task owns whole shards and stages them as objects instead
+(:class:`~mergestream.io.s3_output.StagingWriter`); the state and residual pieces stay on the
+shared filesystem.
 """
 
 from __future__ import annotations

@@ -148,7 +148,8 @@ class RayExecutor:
             127.0.0.1. An address that does not answer within ``connect_timeout`` s is refused.
         num_cpus: CPUs of a local instance started here (None: all). Ignored with an address.
         group_bytes: bytes of θ₀'s tensors per task (None: total / (4 · cluster CPUs), at most
-            :data:`MAX_GROUP_BYTES`; at least one tensor per task). At most 2 tasks per cluster CPU
+            :data:`MAX_GROUP_BYTES`; at least one tensor per task; with an ``s3://`` output a task
+            takes whole shards instead, see :meth:`map`). At most 2 tasks per cluster CPU
             are in flight; each reserves as many CPUs as the intra-op threads it folds with (the
             driver's, at most a node's).
         max_retries: times Ray reruns a task whose worker process died (not for errors the task
@@ -220,8 +221,9 @@ class RayExecutor:
         ``driver`` tensor (frozen) is loaded and written here (``job.load`` / ``job.work``), a
         ``remote`` one joins the current task group, a ``skip`` one (a tied alias) is written by its
         primary's task. With an ``s3://`` output (``job.parts.s3``) a task owns whole shards
-        instead (:func:`shard_owners`): it is submitted once the driver has seen every tensor of its
-        shards, and it also copies their frozen tensors (the driver only checks them). Each task returns a :class:`~.parts.PartResult` (metadata only): its
+        instead (:func:`shard_owners`; ``group_bytes`` is not used): it is submitted once the driver
+        has seen every tensor of its shards, and it also copies their frozen tensors (the driver
+        only checks them). Each task returns a :class:`~.parts.PartResult` (metadata only): its
         statistics go to ``job.sinks.stats``, its digests to ``job.digests``, its written tensors to
         the model writer's account. ``job.threads``, ``prefetch`` and ``budget`` are the local
         executor's and are not used.
