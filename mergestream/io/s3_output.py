@@ -362,7 +362,8 @@ class S3Output:
         finally:
             self._committed = True  # the version's files stay: the state may name them already
             self._delete(self.staging)
-        log.info("s3 output current -> version %d in s3://%s/%s", self.number, self.bucket, self.root)
+        log.info("s3 output current -> version %d in s3://%s/%s files=%d bytes=%d driver_bytes=%d", self.number,
+                 self.bucket, self.root, len(self.files), sum(self.files.values()), self.driver_bytes)
 
     def _delete(self, prefix: str) -> None:
         try:
