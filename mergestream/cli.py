@@ -135,7 +135,9 @@ def cli(verbose: int) -> None:
 @click.option("--policy", required=True, type=POLICY, help="merge policy (docs: Policies)")
 @click.option("--set", "sets", multiple=True, metavar="NAME=VALUE", help="policy parameter (names: docs, Reference, Policies and parameters)")
 @click.option("--state", "state_dir", required=True, type=click.Path(), help="policy state folder")
-@click.option("--out", required=True, type=click.Path(), help="output model folder (must not exist)")
+@click.option("--out", required=True, type=click.Path(),
+              help="output model folder (must not exist), or s3://bucket/root/: a new version there, current "
+              "replaced last; with --executor ray the workers write the shards (docs: Scaling)")
 @click.option("--id", "expert_id", help="expert id (default: the expert's file or folder name)")
 @click.option("--objective", help="package.module:function, for mdm_oc with --set coefficients=cmaes "
               "(black-box: alphas, weights -> loss) or =adamerging (differentiable: see mergestream.engine.coefficients)")
@@ -186,7 +188,9 @@ def _params_from_state(state_dir: str, policy: str, given: dict[str, Any]) -> di
 @click.option("--base", required=True, type=click.Path(), help="the pretrained base θ₀")
 @click.option("--policy", required=True, type=POLICY, help="merge policy (docs: Policies)")
 @click.option("--set", "sets", multiple=True, metavar="NAME=VALUE", help="policy parameter")
-@click.option("--out", required=True, type=click.Path(), help="output model folder (must not exist)")
+@click.option("--out", required=True, type=click.Path(),
+              help="output model folder (must not exist), or s3://bucket/root/: a new version there, current "
+              "replaced last; with --executor ray the workers write the shards (docs: Scaling)")
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
 @click.argument("experts", nargs=-1, required=True, type=click.Path())
 @_engine_options

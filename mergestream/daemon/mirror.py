@@ -21,12 +21,12 @@ local store is never touched. The next :meth:`point` catches up (it uploads what
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..io.versions import POINTER, pointer_body, version_prefix
 from .s3client import classify, describe, make_client, parse_s3_uri
 
 if TYPE_CHECKING:
@@ -37,7 +37,6 @@ log = logging.getLogger(__name__)
 
 #: Folders of a version that are not mirrored.
 LOCAL_ONLY = ("state",)
-POINTER = "current"
 
 
 def version_files(folder: Path) -> list[str]:
@@ -87,7 +86,7 @@ class Mirror:
         Raises:
             Exception: the upload failed (boto3/botocore errors).
         """
-        vprefix = f"versions/{number:06d}/"
+        vprefix = version_prefix(number)
         files = {rel: (folder / rel).stat().st_size for rel in version_files(folder)}
         if self._has_version(vprefix):
             return files
@@ -106,8 +105,7 @@ class Mirror:
         the bucket stays where it was."""
         try:
             files = self.upload_version(number, folder)
-            body = json.dumps({"version": number, "prefix": f"versions/{number:06d}/", "files": files},
-                              indent=1).encode()
+            body = pointer_body(number, files)  # the format an s3:// fold output writes too
             self._get_client().put_object(Bucket=self.bucket, Key=self.key(POINTER), Body=body,
                                           ContentType="application/json")
         except Exception as exc:

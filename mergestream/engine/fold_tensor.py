@@ -198,6 +198,10 @@ class FoldSpec:
         exp = folder.exp
         return ("float", exp.ckpt.get(name) if isinstance(exp, DenseExpert) else None)
 
+    def frozen_item(self, folder: TensorFolder, name: str) -> tuple[str, torch.Tensor]:
+        """A frozen (integer) tensor's item: θ₀'s copy, as the local loader gives it."""
+        return ("frozen", folder.base_ck.get(name))
+
 
 class TensorMerger:
     """One tensor of the offline merge: θ = cast(θ₀ + policy.merge_tensor(θ₀, [τ₁..τ_K])); thread-safe.
@@ -270,6 +274,10 @@ class MergeSpec:
     def read_expert(self, merger: TensorMerger, name: str) -> list[tuple[str, torch.Tensor | None]]:
         """The items the local loaders give for a float tensor (fresh memory; None for LoRA)."""
         return [("float", e.ckpt.get(name) if isinstance(e, DenseExpert) else None) for e in merger.exps]
+
+    def frozen_item(self, merger: TensorMerger, name: str) -> list[tuple[str, torch.Tensor]]:
+        """A frozen (integer) tensor's items: θ₀'s copy, as the local loaders give it."""
+        return [("frozen", merger.base_ck.get(name))]
 
 
 def placement(base_ck: Checkpoint, aliases: dict[str, str]) -> Callable[[str], str]:

@@ -37,6 +37,7 @@ from ..io.checkpoints import (
 )
 from ..io.expert_readers import DenseExpert, open_expert
 from ..io.s3_checkpoint import is_s3_uri
+from ..io.s3_output import S3Output
 from ..io.st import weights_hash_kind
 from ..io.state import FoldRecord, Manifest, StateDir, final_name, remove_file
 from ..io.writers import AppendWriter, ModelWriter, staged_output
@@ -85,6 +86,10 @@ def fold(base: str | os.PathLike, backbone: str | os.PathLike | None, expert: st
         policy: a registered name (with ``params``) or a :class:`Policy` (``params`` then unused).
         state_dir: the policy state folder (created at the first fold, updated atomically).
         out: output folder (must not exist unless ``options.overwrite``); staged and renamed into place.
+            Or ``s3://bucket/root/``: a new version ``root/versions/NNNNNN/model/`` (written by the
+            Ray executor's tasks; uploaded from this process with the local executor), and
+            ``root/current`` replaced last (:mod:`mergestream.io.s3_output`; the report's ``out`` is
+            the version's URI). The state folder stays a filesystem path.
         expert_id: defaults to :func:`~mergestream.io.checkpoints.default_expert_id`.
         objective: for a policy that searches coefficients: ``mdm_oc`` with ``coefficients=cmaes``
             (an :data:`Objective`) or ``coefficients=adamerging`` (a differentiable
@@ -107,6 +112,8 @@ def fold(base: str | os.PathLike, backbone: str | os.PathLike | None, expert: st
         PolicyError: unknown policy, bad parameters, or another policy than the state's.
         NonFiniteError: a result overflowed its dtype. OutputExistsError: ``out`` exists.
         CorruptCheckpointError: the expert's content hash is not ``expect_sha256``.
+        OutputStorageError: an ``s3://`` output's bucket failed (nothing published, ``current``
+            unchanged).
     """
     pin_mmap_threshold()
     t0 = time.perf_counter()
@@ -134,6 +141,7 @@ def fold(base: str | os.PathLike, backbone: str | os.PathLike | None, expert: st
         raise StateError(f"state {sd.path} was built on another base ({man.base})")
     if pol.searches_coefficients() and objective is None:
         raise PolicyError(f"coefficients={pol.searches_coefficients()} needs an objective (--objective module:function)")
+    s3out = _s3_output(out)
     exp = open_expert(expert, base_ck)
     try:
         validate_against_base(base_ck, exp, role="expert", deep=False)
@@ -147,7 +155,7 @@ def fold(base: str | os.PathLike, backbone: str | os.PathLike | None, expert: st
         loader = ExpertLoader(exp, base_ck, aliases, f"expert {exp.path}", buffers)
         loader.untied = aliases != ties
         return _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, dev, opts, objective,
-                          expect_sha256, tensor_hook, t0)
+                          expect_sha256, tensor_hook, t0, s3out)
     finally:
         exp.close()
         base_ck.close()
@@ -155,7 +163,7 @@ def fold(base: str | os.PathLike, backbone: str | os.PathLike | None, expert: st
 
 
 def _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, dev, opts: ExecOptions, objective,
-               expect_sha256, tensor_hook, t0) -> FoldReport:
+               expect_sha256, tensor_hook, t0, s3out: S3Output | None = None) -> FoldReport:
     first = cur is base_ck
     n_prev = len(man.folds)
     aliases = loader.aliases
@@ -178,7 +186,7 @@ def _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, 
                                        expert_path=_abs(expert)) if store_contrib and not remote else None
     bar = Progress(sum(m.nbytes for m in metas), len(metas), f"fold {eid}", opts.progress)
     try:
-        with staged_output(out, overwrite=opts.overwrite) as stage:
+        with _staged(out, opts, s3out) as stage:
             planned = [{"id": f.id, "sha256": f.sha256} for f in man.folds] + [{"id": eid, "sha256": NO_HASH}]
             writer = ModelWriter(stage, metas, provenance(pol, planned, base_ck), opts.max_shard_bytes)
             try:
@@ -202,13 +210,17 @@ def _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, 
                                     _abs(sd.path), aliases, loader.where, n_prev, prev_coeffs, str(dev),
                                     1 if lin is not None else torch.get_num_threads())
                     parts = PartsPlan(writer.plan(), str(state_path), str(contrib_path) if contrib_path else None,
-                                      eid, lin, _abs(expert)) if remote else None
+                                      eid, lin, _abs(expert), s3out.target(writer.layout(), not (search or pol.scales_globally()))
+                                      if s3out else None) \
+                        if remote else None
                     job = TensorMap(
                         loader.names, loader.load, work, sinks, spec, base_ck, threads=worker_threads(opts.threads),
                         prefetch=1, release=loader.release, budget=None if lin is not None else largest(metas),
                         progress=bar, hook=tensor_hook, placement=placement(base_ck, aliases) if remote else None,
                         parts=parts)
                     tasks = opts.executor.map(job)
+                if s3out is not None and not remote:
+                    s3out.written_here()
                 if not loader.dense:
                     sha = exp.sha256()
                 else:
@@ -246,11 +258,15 @@ def _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, 
                     with contextlib.closing(st_ck):
                         coeffs = list(prev_coeffs) + [pol.global_scale(
                             read(m.name) for m in metas if is_float_dtype(m.dtype) and m.name not in aliases)]
-                if (search or pol.scales_globally()) and remote:  # the tasks write it, as they wrote the pass
+                # the tasks write it, as they wrote the pass; to a bucket the driver does (its tasks
+                # stage whole shards, which a rebuild by tensor groups cannot)
+                if (search or pol.scales_globally()) and remote and s3out is None:
                     rebuild_remote(pol, base_ck, _abs(base), state_path, coeffs, writer, aliases, dev, opts.executor,
                                    spec.torch_threads)
                 elif search or pol.scales_globally():
                     rewrite_from_state(pol, base_ck, state_path, coeffs, writer, dev, opts.threads, aliases)
+                    if s3out is not None:
+                        s3out.written_here()  # every shard is in the planning folder now
                 finish_model(writer, base_ck, stage, contrib, untied=loader.untied)
             except BaseException:
                 writer.abort()
@@ -277,15 +293,20 @@ def _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, 
         for f, c in zip(folds, coeffs):
             f.coefficient = float(c)
     new_man = Manifest(policy=pol.name, base=_abs(base), base_tensors=len(base_ck.keys()),
-                       backbone=str(Path(out).resolve()), state_file=final_name(state_path, sd.path),
-                       folds=folds + [fold_rec])
+                       backbone=s3out.uri_out if s3out else str(Path(out).resolve()),
+                       state_file=final_name(state_path, sd.path), folds=folds + [fold_rec])
     sd.close()
     try:
         sd.commit(new_man, new_files)
     except BaseException:  # the model and the state go together: neither is left
-        if not opts.overwrite:
+        if s3out is not None:
+            s3out.discard()
+        elif not opts.overwrite:
             shutil.rmtree(out, ignore_errors=True)
         raise
+    if s3out is not None:
+        s3out.point()  # last: ``current`` names the new version
+        out = s3out.uri_out
     bytes_read = (loader.reader.bytes_read if loader.dense else 0) + stats.bytes_read
     report = FoldReport(out=str(out), policy=pol.name, params=record, experts=[eid],
                         seconds=time.perf_counter() - t0, bytes_read=bytes_read,
@@ -295,6 +316,21 @@ def _fold_pass(pol, sd, man, base_ck, cur, exp, loader, eid, expert, base, out, 
                         received_bytes=getattr(opts.executor, "received_bytes", None) if remote else None)
     log.info("fold expert=%s policy=%s seconds=%.2f out=%s", eid, pol.name, report.seconds, out)
     return report
+
+
+def _s3_output(out: str | os.PathLike) -> S3Output | None:
+    """The :class:`~mergestream.io.s3_output.S3Output` of an ``s3://`` output (None for a folder).
+
+    Raises:
+        OutputStorageError: the bucket cannot be read.
+    """
+    return S3Output(str(out)) if is_s3_uri(out) else None
+
+
+def _staged(out: str | os.PathLike, opts: ExecOptions, s3out: S3Output | None):
+    """The pass's staging folder: :func:`~mergestream.io.writers.staged_output`, or for an ``s3://``
+    output the driver's planning folder (:meth:`~mergestream.io.s3_output.S3Output.staged`)."""
+    return s3out.staged() if s3out is not None else staged_output(out, overwrite=opts.overwrite)
 
 
 def _abs(path: str | os.PathLike) -> str:
@@ -356,7 +392,8 @@ def merge(base: str | os.PathLike, experts: list[str | os.PathLike], policy: str
     Args:
         base: θ₀ (file or folder). experts: dense checkpoints or PEFT LoRA adapter folders.
         policy: a registered name (with ``params``) or a :class:`Policy`.
-        out: output folder (must not exist unless ``options.overwrite``); staged and renamed into place.
+        out: output folder (must not exist unless ``options.overwrite``); staged and renamed into place;
+            or ``s3://bucket/root/`` (as for :func:`fold`).
         options: how it runs (:class:`~mergestream.engine.options.ExecOptions`); None: the defaults.
 
     Each expert is read once (hashed on the way; twice with a remote ``options.executor``, see
@@ -377,6 +414,7 @@ def merge(base: str | os.PathLike, experts: list[str | os.PathLike], policy: str
         raise MergestreamError("merge needs at least one expert")
     if Path(out).exists() and not opts.overwrite:
         raise OutputExistsError(f"{out} already exists; choose a new output path")
+    s3out = _s3_output(out)
     base_ck = open_checkpoint(base)
     exps = [open_expert(e, base_ck) for e in experts]
     try:
@@ -393,7 +431,7 @@ def merge(base: str | os.PathLike, experts: list[str | os.PathLike], policy: str
             items = [ld.load(name) if (not ld.dense or name in ld.reader.ckpt) else None for ld in loaders]
             return None if items[0] is None else items
 
-        with staged_output(out, overwrite=opts.overwrite) as stage:
+        with _staged(out, opts, s3out) as stage:
             planned = [{"id": default_expert_id(p), "sha256": NO_HASH} for p in experts]
             writer = ModelWriter(stage, metas, provenance(pol, planned, base_ck), opts.max_shard_bytes)
             try:
@@ -410,8 +448,11 @@ def merge(base: str | os.PathLike, experts: list[str | os.PathLike], policy: str
                     job = TensorMap(canonical_order(base_ck), load, work, sinks, spec, base_ck,
                                     threads=worker_threads(opts.threads), prefetch=0, budget=largest(metas),
                                     progress=bar, placement=placement(base_ck, aliases) if remote else None,
-                                    parts=PartsPlan(writer.plan()) if remote else None)
+                                    parts=PartsPlan(writer.plan(), s3=s3out.target(writer.layout()) if s3out else None)
+                                    if remote else None)
                     opts.executor.map(job)
+                if s3out is not None and not remote:
+                    s3out.written_here()
                 shas = [(ld.sha256_from(job.digests[i]) if remote else ld.reader.sha256()) if ld.dense else e.sha256()
                         for i, (ld, e) in enumerate(zip(loaders, exps))]
                 records = [{"id": default_expert_id(p), "sha256": s} for p, s in zip(experts, shas)]
@@ -426,6 +467,9 @@ def merge(base: str | os.PathLike, experts: list[str | os.PathLike], policy: str
         for e in exps:
             e.close()
         base_ck.close()
+    if s3out is not None:
+        s3out.point()  # last: ``current`` names the new version
+        out = s3out.uri_out
     return FoldReport(out=str(out), policy=pol.name, params=pol.describe(), experts=[r["id"] for r in records],
                       seconds=time.perf_counter() - t0, bytes_read=stats.bytes_read,
                       bytes_written=writer.bytes_written, stats=stats.summary(), sha256=shas)

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import torch
 
-from ..errors import CorruptCheckpointError, MergestreamError, StateError
+from ..errors import CorruptCheckpointError, MergestreamError, StateError, ValidationError
 from ..io.checkpoints import is_float_dtype, validate_against_base
 from ..io.expert_readers import DenseExpert, open_expert
-from ..io.s3_checkpoint import is_s3_path
+from ..io.s3_checkpoint import is_s3_path, is_s3_uri
 from ..io.st import WEIGHTS_HASH_VERSION, weights_hash_version
 from ..io.state import SEP, Manifest, StateDir, final_name
 from ..io.writers import AppendWriter, ModelWriter, staged_output
@@ -83,7 +83,7 @@ def unmerge(state_dir: str | os.PathLike, expert_id: str, mode: str, *, out: str
         :class:`FoldReport` (``experts``: the remaining ones).
 
     Raises:
-        MergestreamError: an unknown ``mode``.
+        MergestreamError: an unknown ``mode``. ValidationError: an ``s3://`` ``out``.
         StateError: unknown expert, missing contribution, ``subtract`` for a policy that cannot
             (:attr:`~mergestream.policies.base.Policy.subtract_unmerge`, e.g. Iso-C), or an expert
             file that is gone (replay; subtract of a Task Arithmetic fold).
@@ -93,6 +93,9 @@ def unmerge(state_dir: str | os.PathLike, expert_id: str, mode: str, *, out: str
     pin_mmap_threshold()
     if mode not in ("subtract", "replay"):
         raise MergestreamError(f"unknown unmerge mode {mode!r}: use subtract or replay")
+    if is_s3_uri(out):
+        raise ValidationError(f"unmerge writes its output to a folder, not {out}: an s3:// output is for fold and "
+                              "merge with the ray executor")
     t0 = time.perf_counter()
     sd = StateDir(state_dir)
     man = sd.manifest

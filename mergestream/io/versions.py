@@ -8,6 +8,10 @@ Layout under the state folder (written by :class:`mergestream.daemon.store.Store
     versions/000002/patch-from-000001.safetensors   the version patch, when the daemon writes one
     current -> versions/000001    symlink, switched with rename(2) + fsync of the folder
 
+The same layout in object storage (the publish mirror, :mod:`mergestream.daemon.mirror`, and an
+``s3://`` fold output, :mod:`mergestream.io.s3_output`) has no symlink: ``current`` is an object
+holding :func:`pointer_body`.
+
 Standard library only: the daemon's store writes this layout, and the feed builder
 (:mod:`mergestream.feed.build`), ``mergestream status`` and ``mergestream patch`` read it without
 importing the daemon.
@@ -15,11 +19,27 @@ importing the daemon.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
 
 from .st import load_json
+
+
+#: the pointer's name under a root, a symlink in a folder and a JSON object in a bucket
+POINTER = "current"
+
+
+def version_prefix(number: int) -> str:
+    """The key prefix (or relative folder, with ``/``) of version ``number``: ``versions/000003/``."""
+    return f"versions/{number:06d}/"
+
+
+def pointer_body(number: int, files: dict[str, int]) -> bytes:
+    """The content of the ``current`` object in a bucket: JSON ``{"version", "prefix", "files":
+    {rel: bytes}}``, each ``rel`` relative to the version's prefix."""
+    return json.dumps({"version": number, "prefix": version_prefix(number), "files": files}, indent=1).encode()
 
 
 class Versions:

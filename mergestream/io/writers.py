@@ -179,6 +179,12 @@ class ModelWriter:
         return {name: (str(self.files[shard]), offset, tuple(m.shape), TORCH_TO_ST[m.dtype])
                 for name, (shard, offset, m) in self._where.items()}
 
+    def layout(self) -> list[tuple[Path, int, int]]:
+        """Each shard as ``(path, header bytes, data bytes)``, in file order (the header's size is fixed
+        at construction: :meth:`set_metadata` pads to it)."""
+        return [(path, head, sum(m.nbytes for m in group))
+                for path, head, group in zip(self.files, self._heads, self._shards)]
+
     def mark_written(self, names, nbytes: int) -> None:
         """Account for tensors a :class:`PartWriter` wrote (whole tensors), ``nbytes`` in all, so that
         :meth:`close` knows they are there."""

@@ -43,6 +43,17 @@ What travels per policy (driver ⇄ tasks; never a tensor):
 * AdaMerging coefficients: the same: tasks write the state, the driver learns the per-layer α from
   it and rewrites the state; tasks write the output.
 
+Output to a bucket (``out="s3://bucket/root/"``, :mod:`mergestream.io.s3_output`): the plan gives
+each task whole shards (:func:`.ray_cluster.shard_owners`: one shard, or the shards a tied pair
+spans), frozen tensors included (copied from θ₀ by the task, checked on the driver); the task
+spools each shard's data locally and uploads it as one staging object, overwritten by a retry. The
+driver plans the headers in a local folder and assembles each final shard with one multipart upload
+(the final header and the first part's bytes through it: at most 5 MiB each way per shard; the rest
+server-side copies), then uploads the index and the aux files, and after the state's commit
+replaces ``current``. The state folder stays on a filesystem; a policy whose output the driver
+rewrites after the map (a coefficient search, OPCM ``scope=global``) stages nothing: the driver
+uploads the shards it wrote, as the local executor's output is uploaded.
+
 Byte identity: tasks pin torch's intra-op thread count to the driver's
 (:attr:`~mergestream.engine.fold_tensor.FoldSpec.torch_threads`), so reductions split the same way,
 and reserve that many CPUs (at most a node's). A task that fails raises on the driver (the fold then

@@ -6,6 +6,9 @@ into pieces of their own (``part-NNNNN.safetensors`` in the pieces folders of
 :meth:`~mergestream.io.state.StateDir.new_pieces`), and hashes every expert tensor it reads
 (:func:`mergestream.io.st.tensor_digest`). What travels back to the driver is a :class:`PartResult`:
 names, per-tensor digests (32 bytes each), the policy statistics and byte counts. No tensor.
+With an ``s3://`` output the task owns whole shards and stages them as objects instead
+(:class:`~mergestream.io.s3_output.StagingWriter`); the state and residual pieces stay on the
+shared filesystem.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 
 from ...io.checkpoints import TensorMeta, piece_name
 from ...io.st import tensor_digest
+from ...io.s3_output import S3Target, StagingWriter
 from ...io.writers import AppendWriter, PartWriter, tensor_bytes
 from ..fold_tensor import FoldSinks
 from ..passes import Stats
@@ -36,6 +40,9 @@ class PartsPlan:
             contributions in its state).
         expert_id / recompute_lambda / expert_path: the residual's metadata (see
             :class:`~mergestream.engine.residuals.ResidualWriter`).
+        s3: for an ``s3://`` output, where the tasks stage the shards they own
+            (:class:`~mergestream.io.s3_output.S3Target`; each task then writes whole shards, frozen
+            tensors and tied aliases included); None: the shards on shared storage.
     """
 
     model: dict[str, tuple[str, int, tuple[int, ...], str]]
@@ -44,6 +51,7 @@ class PartsPlan:
     expert_id: str = ""
     recompute_lambda: float | None = None
     expert_path: str | None = None
+    s3: S3Target | None = None
 
 
 class _StatsRecord(Stats):
@@ -89,7 +97,7 @@ class PartSinks:
     """
 
     def __init__(self, plan: PartsPlan, index: int, metas: list[TensorMeta]):
-        self.model = PartWriter(plan.model)
+        self.model = StagingWriter(plan.model, plan.s3) if plan.s3 is not None else PartWriter(plan.model)
         self.stats = _StatsRecord()
         self.state = AppendWriter(Path(plan.state) / piece_name(index), header_bytes=header_room(metas, 4)) \
             if plan.state is not None else None
@@ -130,10 +138,14 @@ def digest(t: torch.Tensor | None) -> bytes | None:
     return h.digest()
 
 
-def run_part(spec: Any, index: int, names: list[str], plan: PartsPlan, hook: Any = None) -> PartResult:
+def run_part(spec: Any, index: int, names: list[str], plan: PartsPlan, hook: Any = None,
+             frozen: frozenset[str] = frozenset()) -> PartResult:
     """One task: open the pass's inputs from ``spec`` (a :class:`~mergestream.engine.fold_tensor.FoldSpec`,
     ``MergeSpec`` or :class:`~mergestream.engine.rebuild.RebuildSpec`), fold (merge, rebuild) ``names``
     into shared storage, return metadata only.
+
+    ``frozen``: those of ``names`` that are copied from θ₀ (integer tensors of shards this task owns
+    with an ``s3://`` output; the driver checked the expert's copies).
 
     Raises:
         Whatever the fold of a tensor raises; the task's pieces are removed first.
@@ -150,6 +162,9 @@ def run_part(spec: Any, index: int, names: list[str], plan: PartsPlan, hook: Any
     try:
         part = PartSinks(plan, index, [worker.base_ck.meta(n) for n in names])
         for name in names:
+            if name in frozen:
+                worker(name, spec.frozen_item(worker, name), part.sinks)
+                continue
             item = spec.read_expert(worker, name)
             for i, (_, e) in enumerate(item if isinstance(item, list) else [item]):
                 d = digest(e)

@@ -1,4 +1,5 @@
-"""The Ray executor: a pass's float tensors folded by Ray tasks that read and write shared storage.
+"""The Ray executor: a pass's float tensors folded by Ray tasks that read and write shared storage
+(or stage whole output shards in a bucket, :mod:`mergestream.io.s3_output`).
 
 The only module of the package that imports ``ray`` (the optional extra ``mergestream[ray]``);
 the design and the per-policy handling are in :mod:`mergestream.engine.executors`.
@@ -53,6 +54,29 @@ def loopback_only() -> None:
     from ray._private import ray_constants  # the switch as this process read it at import
 
     ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+def shard_owners(plan: dict[str, tuple[str, int, tuple[int, ...], str]], aliases: dict[str, str]) -> dict[str, int]:
+    """For an ``s3://`` output, where one task owns whole shards: ``{tensor name: owner}``, the owner
+    being the number of its shard's group (shards whose tensors are tied, e.g. embeddings and the LM
+    head, form one group; else one shard per group), numbered in the order of the shards' files."""
+    shard_of = {name: where[0] for name, where in plan.items()}
+    parent = {path: path for path in shard_of.values()}
+
+    def find(x: str) -> str:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for alias, primary in aliases.items():
+        a, b = find(shard_of[alias]), find(shard_of[primary])
+        if a != b:
+            parent[max(a, b)] = min(a, b)
+    numbers: dict[str, int] = {}
+    for path in sorted(parent):
+        numbers.setdefault(find(path), len(numbers))
+    return {name: numbers[find(path)] for name, path in shard_of.items()}
 
 
 def group_target(total: int, cpus: int, group_bytes: int | None = None) -> int:
@@ -124,7 +148,8 @@ class RayExecutor:
             127.0.0.1. An address that does not answer within ``connect_timeout`` s is refused.
         num_cpus: CPUs of a local instance started here (None: all). Ignored with an address.
         group_bytes: bytes of θ₀'s tensors per task (None: total / (4 · cluster CPUs), at most
-            :data:`MAX_GROUP_BYTES`; at least one tensor per task). At most 2 tasks per cluster CPU
+            :data:`MAX_GROUP_BYTES`; at least one tensor per task; with an ``s3://`` output a task
+            takes whole shards instead, see :meth:`map`). At most 2 tasks per cluster CPU
             are in flight; each reserves as many CPUs as the intra-op threads it folds with (the
             driver's, at most a node's).
         max_retries: times Ray reruns a task whose worker process died (not for errors the task
@@ -195,7 +220,10 @@ class RayExecutor:
         In canonical order on the driver: ``job.hook(name)``, then by ``job.placement(name)``: a
         ``driver`` tensor (frozen) is loaded and written here (``job.load`` / ``job.work``), a
         ``remote`` one joins the current task group, a ``skip`` one (a tied alias) is written by its
-        primary's task. Each task returns a :class:`~.parts.PartResult` (metadata only): its
+        primary's task. With an ``s3://`` output (``job.parts.s3``) a task owns whole shards
+        instead (:func:`shard_owners`; ``group_bytes`` is not used): it is submitted once the driver
+        has seen every tensor of its shards, and it also copies their frozen tensors (the driver
+        only checks them). Each task returns a :class:`~.parts.PartResult` (metadata only): its
         statistics go to ``job.sinks.stats``, its digests to ``job.digests``, its written tensors to
         the model writer's account. ``job.threads``, ``prefetch`` and ``budget`` are the local
         executor's and are not used.
@@ -231,9 +259,25 @@ class RayExecutor:
         job.partials.clear()
         group: list[str] = []
         size = 0
+        # s3:// output: a task owns whole shards (their staging objects), frozen tensors included;
+        # it is submitted once the driver has seen every tensor of its shards
+        owners = shard_owners(job.parts.model, job.spec.aliases) if job.parts.s3 is not None else None
+        owned: dict[int, list[str]] = {}
+        frozen: dict[int, set[str]] = {}
+        left: dict[int, int] = {}
+        if owners is not None:
+            for name in names:
+                if place(name) != "skip":
+                    left[owners[name]] = left.get(owners[name], 0) + 1
 
-        def submit() -> None:
+        def submit(index: int | None = None) -> None:
             nonlocal group, size
+            if index is not None:  # an owner's shards
+                mine = owned.pop(index)
+                pending.append((task.remote(spec_ref, index, mine, plan_ref, self.task_hook,
+                                            frozenset(frozen.pop(index, ()))),
+                                mine, sum(size_of(n) for n in mine)))
+                return
             if group:
                 index = len(self.tasks) + len(pending)
                 pending.append((task.remote(spec_ref, index, group, plan_ref, self.task_hook),
@@ -262,15 +306,25 @@ class RayExecutor:
                 where = place(name)
                 if where == "skip":
                     continue
-                if where == "driver":
+                if owners is not None:
+                    owner = owners[name]
+                    if where == "driver":
+                        load(name)  # the frozen check; the owner copies θ₀'s tensor
+                        frozen.setdefault(owner, set()).add(name)
+                    owned.setdefault(owner, []).append(name)
+                    left[owner] -= 1
+                    if not left[owner]:
+                        submit(owner)
+                elif where == "driver":
                     item = load(name)
                     if item is not None:
                         work(name, item)
                     continue
-                group.append(name)
-                size += size_of(name)
-                if size >= target:
-                    submit()
+                else:
+                    group.append(name)
+                    size += size_of(name)
+                    if size >= target:
+                        submit()
                 while len(pending) > limit:
                     drain_one()
             submit()
@@ -279,6 +333,8 @@ class RayExecutor:
         except BaseException:
             for ref, _, _ in pending:
                 ray.cancel(ref, force=True)
+            if pending:  # until their workers are gone: none writes after the caller cleans up
+                ray.wait([ref for ref, _, _ in pending], num_returns=len(pending), timeout=30)
             raise
         log.info("ray fold tasks=%d cpus=%d task_seconds=%.2f received_bytes=%d", len(self.tasks), cpus,
                  sum(t[1] for t in self.tasks), self.received_bytes)
