@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -172,6 +173,43 @@ def test_validation_rows_are_carved_out_of_train_before_training(tmp_path):
         assert {r["split"] for r in csv.DictReader(fh, delimiter="\t")} == {"train", "test", "val"}
     with pytest.raises(S.BenchInputError, match="cannot carve"):
         S.carve_validation(src, tmp_path / "too-many", ["sms"], 10_000)
+
+
+def _probe_file_rows(folder: Path) -> list[tuple[str, str | None, int]]:
+    return [(o["text"], o.get("text2"), o["label"]) for o in map(json.loads, open(folder / "probe.jsonl", encoding="utf-8"))]
+
+
+@pytest.mark.parametrize("carved", [True, False], ids=["carved-val-rows", "shared-files"])
+def test_expert_task_probes_are_validation_rows_never_test_rows(tmp_path, carved):
+    """Issue 39, 4(e): the probe files written next to built experts (what the daemon's CMA-ES and
+    strength search tune on) hold validation rows: on the 8 real stream tasks, no probe row is a test
+    row (a text shared by the test and train splits, a known duplicate of the data, is a train row)
+    and none is a row the expert trains on. Carved: the bench's val rows, the tuning rows themselves."""
+    import torch
+
+    tasks = list(X.STREAM_TASKS)
+    src = X.data_root()
+    data = S.carve_validation(src, S.carved_folder(tmp_path, tasks, 100), tasks, 100) if carved else src
+    for t in tasks:
+        orig = X.load_task(t, src)
+        task = X.load_task(t, data)
+        trained_on, rows, source = X.probe_split(task, 200)
+        pdir = X.write_task_probe(tmp_path / f"probe-{t}", t, torch.zeros(len(task.classes), X.HIDDEN),
+                                  torch.zeros(len(task.classes)), rows)
+        written = _probe_file_rows(pdir)
+        assert written == rows and len(written) == (100 if carved else 200) and "val" in source
+        test_texts = {(a, b) for a, b, _ in orig.test}
+        train_texts = {(a, b) for a, b, _ in orig.train}
+        leaked = [r for r in written if (r[0], r[1]) in test_texts and (r[0], r[1]) not in train_texts]
+        assert not leaked, f"{t}: {len(leaked)} probe rows are test rows"
+        # the expert never trains on them (counted: a few tasks repeat a text within train)
+        if carved:
+            assert set(written) == set(S.validation_rows(data, t))  # the rows tuning uses, not in train
+            assert trained_on.train == task.train
+        else:
+            assert Counter(trained_on.train) + Counter(written) == Counter(task.train)
+            assert len(trained_on.train) == len(task.train) - 200
+    assert X.probe_split(X.load_task("trec", data), 200) == X.probe_split(X.load_task("trec", data), 200)  # seeded
 
 
 def test_lpft_rule_and_variants_tuned_with_their_parent():

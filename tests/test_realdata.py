@@ -62,6 +62,11 @@ def test_expert_folder_layout_and_fold(tmp_path):
     probe = discover_task_probe(folder)
     assert probe is not None and probe.task == "sms"
     assert sum(1 for _ in open(probe.data)) == 50
+    # the probe's rows are validation rows held out of training, never test rows (issue 39, 4(e))
+    assert "held out of the train split" in meta["probe_source"]
+    test_texts = {t for t, _, _ in X.load_task("sms").test}
+    train_texts = {t for t, _, _ in X.load_task("sms").train}
+    assert not [r for r in map(json.loads, open(probe.data)) if r["text"] in test_texts - train_texts]
     rep = fold(X.base_model_path(), None, folder, "task_arithmetic", {"lambda": 0.3}, state_dir=tmp_path / "st",
                out=tmp_path / "v1")
     assert (tmp_path / "v1").is_dir() and rep.experts
