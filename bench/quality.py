@@ -42,6 +42,10 @@ Protocol knobs (each recorded in quality.json under "protocol"; quality.md state
   --threads N         torch threads and fold worker threads
 
 Hyperparameters without --tune or --set are the policies' defaults (recorded in each run's "params").
+
+Tasks the tuning never saw: ``bench/quality_heldout.py`` splits the tasks into a visible and a
+held-out set, tunes on the visible tasks only and runs the same parameters (and the daemon's
+``policy.strength: auto``) on both, with this module's experts, evaluator and streams.
 """
 
 from __future__ import annotations
