@@ -30,6 +30,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
+import shlex
 import shutil
 import sys
 import tempfile
@@ -168,6 +170,7 @@ def write_md(doc: dict[str, Any], path: Path) -> None:
     p, runs = doc["protocol"], doc["runs"]
     lines = ["# Quality on held-out tasks (issue 39, item 5)", "",
              f"Command: `{doc['command']}`", "",
+             f"Machine: {doc.get('machine', 'not recorded')}, torch threads {p.get('torch_threads')}.", "",
              f"Visible tasks (tuning sees only these): {', '.join(p['visible'])}. "
              f"Held-out tasks: {', '.join(p['heldout'])}. Each set is its own stream, file order only.", "",
              f"Protocol: {p['eval_examples'] or 'all'} seeded test rows per task, {p['sts_pairs'] or 'all 1379'} "
@@ -177,7 +180,11 @@ def write_md(doc: dict[str, Any], path: Path) -> None:
              f"per task, first {p['objective']['general_pairs']} STS-B dev pairs) on the experts' own task probes. "
              f"Expert recipe overrides: {p['recipe_overrides'] or 'none'}; LP-FT: {p['lpft']}. "
              + (f"Reduced: {p['reduced']}. " if p.get("reduced") else "")
-             + f"θ₀'s G on these pairs: {doc['references']['base_G']:.2f}. Wall time {doc['seconds'] / 60:.0f} min.", ""]
+             + f"θ₀'s G on these pairs: {doc['references']['base_G']:.2f}. Wall time {doc['seconds'] / 60:.0f} min.", "",
+             "`default` runs each row's parameters in bench/quality.py's POLICIES ("
+             + "; ".join(sorted({f"{r['label']} {r['params']}" for r in runs if r["mode"] == "default"}))
+             + "); `auto` starts each fold from them. One order and a few hundred rows per task: differences "
+             "below about 1 H are within what this protocol resolves (our judgment, not a measured interval).", ""]
     for which in SETS:
         lines += [f"## {which} tasks ({', '.join(p[which])})", "",
                   "| row | mode | strength | ACC | G | H | BWT | ΔH vs default |", "|---|---|---|---|---|---|---|---|"]
@@ -295,7 +302,9 @@ def main(argv: list[str] | None = None) -> int:
         raise BenchInputError(f"{path} was run with another protocol (or other experts): use another --out")
     doc: dict[str, Any] = prev or {"protocol": protocol, "runs": [], "tuning": {}, "seconds": 0.0,
                                    "references": {"base_G": ev.g(ev.load(X.base_model_path()))}}
-    doc["command"] = " ".join([".venv/bin/python", "bench/quality_heldout.py", *(argv if argv is not None else sys.argv[1:])])
+    doc["command"] = shlex.join([".venv/bin/python", "bench/quality_heldout.py", *(argv if argv is not None else sys.argv[1:])])
+    doc.setdefault("machine", f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_version()}, torch "
+                              f"{torch.__version__}")
     done_before = doc["seconds"]
 
     def save() -> None:

@@ -404,7 +404,7 @@ def test_heldout_split_and_report_without_models(tmp_path):
             HO.split_tasks(tasks, bad)
 
     def run(label, mode, which, h, strength):
-        return {"label": label, "mode": mode, "set": which, "strength_text": f"x {strength}",
+        return {"label": label, "mode": mode, "set": which, "strength_text": f"x {strength}", "params": {"x": strength},
                 "final": {"ACC": h, "G": h, "H": h, "BWT": -1.0}}
 
     runs = [run("task_arithmetic", "default", "visible", 70.0, 0.3), run("task_arithmetic", "auto", "visible", 71.0, "0.3 → 0.5"),
@@ -425,3 +425,4 @@ def test_heldout_split_and_report_without_models(tmp_path):
     md = (tmp_path / "q.md").read_text()
     assert "| iso_c | auto | x 2 → 3.5 | 74.5 | 74.50 | 74.50 | -1.0 | +0.50 |" in md
     assert "| visible-tuned | iso_c 80.00 | task_arithmetic 76.00, iso_c 75.00 |" in md and "Reduced: file order only" in md
+    assert "POLICIES (iso_c {'x': 2.0}; task_arithmetic {'x': 0.3})" in md
