@@ -42,6 +42,10 @@ Protocol knobs (each recorded in quality.json under "protocol"; quality.md state
   --threads N         torch threads and fold worker threads
 
 Hyperparameters without --tune or --set are the policies' defaults (recorded in each run's "params").
+
+Tasks the tuning never saw: ``bench/quality_heldout.py`` splits the tasks into a visible and a
+held-out set, tunes on the visible tasks only and runs the same parameters (and the daemon's
+``policy.strength: auto``) on both, with this module's experts, evaluator and streams.
 """
 
 from __future__ import annotations
@@ -182,11 +186,13 @@ class Evaluator:
 
 def fold_stream(order: list[str], experts: dict[str, Path], policy: str, params: dict[str, Any], ev: Evaluator,
                 workdir: Path, *, full_steps: bool, log, objective_for=None, keep_final: bool = False,
-                patches: bool = False, ri=None, threads: int | None = 1) -> dict[str, Any]:
+                patches: bool = False, ri=None, threads: int | None = 1, fold_with=None) -> dict[str, Any]:
     """Fold ``order`` one by one; returns steps, fold seconds, final metrics (and the state folder).
 
     ``patches``: build the version-to-version patch after every fold and record its size / the
     model's. ``ri``: ``ri(order[:t]) -> (adapted expert folder, RI seconds)``, the RI pre-step.
+    ``fold_with``: ``fold_with(seen, backbone | None, expert, state, out) -> FoldReport`` instead of
+    one engine fold (``bench/quality_heldout.py``: the daemon's per-fold strength choice).
     """
     base = X.base_model_path()
     run = Path(tempfile.mkdtemp(prefix=f"{policy}-", dir=workdir))
@@ -201,8 +207,11 @@ def fold_stream(order: list[str], experts: dict[str, Path], policy: str, params:
             ri_s.append(secs)
         t0 = time.perf_counter()
         objective = objective_for(order[:t]) if objective_for is not None else None
-        frep = fold(base, prev, src, policy, params, state_dir=state, out=out, expert_id=task,
-                    objective=objective, options=ExecOptions(threads=threads))
+        if fold_with is not None:
+            frep = fold_with(order[:t], prev, src, state, out)
+        else:
+            frep = fold(base, prev, src, policy, params, state_dir=state, out=out, expert_id=task,
+                        objective=objective, options=ExecOptions(threads=threads))
         fold_s.append(time.perf_counter() - t0)
         if patches and prev is not None:
             ratios = [build_patch(prev, out, run / "patch.safetensors", source_version=str(t - 1),

@@ -14,16 +14,13 @@ as written. A :class:`Config` built in code (not by :func:`load_config`) resolve
 
 from __future__ import annotations
 
-import contextvars
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     SecretStr,
     ValidationError,
@@ -36,134 +33,21 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
-from .errors import MergestreamError, PolicyError
+from .config_policy import (  # noqa: F401 - re-exported: the sections are read as mergestream.config's
+    _CHECK_POLICY,
+    ObjectiveConfig,
+    PolicyConfig,
+    RIConfig,
+    StrengthConfig,
+    _Section,
+)
+from .errors import MergestreamError
 from .patches.codec import FORMAT_NUMBERS
-from .recommended import RECOMMENDED_PARAMS, RECOMMENDED_POLICY
 from .redaction import redact_uris
-
-if TYPE_CHECKING:
-    from .policies import Policy
-
-#: False while :func:`load_config` reads a config without building its policy (``check_policy``).
-_CHECK_POLICY: contextvars.ContextVar[bool] = contextvars.ContextVar("mergestream_check_policy", default=True)
-
-
-def _make_policy(name: str, params: dict[str, Any]) -> Policy:
-    from .policies import make_policy  # torch: loaded only when a policy is checked or built
-    return make_policy(name, params)
 
 
 class ConfigError(MergestreamError):
     """The configuration file is missing, unreadable or invalid."""
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class RIConfig(_Section):
-    """The RI (Resolving Interference) pre-step, enabled with ``policy.preprocess: [ri]``.
-
-    Each expert that ships a task head (``mergestream_probe/``) is adapted before it is folded:
-    it keeps its own head's outputs and, through every earlier accepted task's head, looks like θ₀
-    on the auxiliary inputs (Ramesh et al., arXiv 2603.13467; :mod:`mergestream.ri`).
-    """
-
-    data: Path | None = Field(None, description="unlabeled auxiliary inputs: text file (one per line) or JSONL "
-                                                "with text[, text2]; required when ri is enabled")
-    max_examples: int | None = Field(512, ge=1, description="use the first N auxiliary inputs")
-    alpha: float = Field(1.0, ge=0, description="weight of the look-like-the-base term (paper: 1)")
-    steps: int = Field(100, ge=0, description="step budget (AdamW updates); 0 = identity")
-    time_budget_seconds: float | None = Field(300.0, ge=0, description="time budget per expert (s)")
-    lr: float = Field(1e-5, gt=0, description="AdamW learning rate")
-    batch_size: int = Field(16, ge=1, description="auxiliary inputs per AdamW step")
-    max_length: int = Field(64, ge=1, description="tokens per input (Hugging Face features)")
-    eval_every: int = Field(10, ge=0, description="keep the best iterate, evaluated every N steps (0: the last)")
-    forward: str | None = Field(None, description="package.module:factory returning a FeatureModel; "
-                                                  "default: Hugging Face encoder + pooling of the task probe")
-    on_missing_head: Literal["skip", "reject"] = Field(
-        "skip", description="an expert without a task head: fold it unadapted (skip) or reject it")
-
-
-class ObjectiveConfig(_Section):
-    """The data-probe objective of CMA-ES coefficients (``mdm_oc`` with ``coefficients: cmaes``):
-    maximise task_weight × mean task accuracy + general_weight × the sentence_similarity probe.
-    ``coefficients: adamerging`` instead minimises the task heads' prediction entropy on the first
-    ``adamerging_examples`` inputs of ``ri.data`` (:mod:`mergestream.engine.coefficients`)."""
-
-    task_weight: float = Field(1.0, ge=0, description="weight of the mean task accuracy (task probes)")
-    general_weight: float = Field(1.0, ge=0, description="weight of the sentence_similarity probe (general)")
-    examples_per_task: int = Field(64, ge=1, description="first N rows of each task probe")
-    general_pairs: int = Field(200, ge=2, description="first N pairs of the sentence_similarity probe")
-    adamerging_examples: int = Field(64, ge=1, description="adamerging: first N unlabeled inputs of ri.data")
-
-
-class PolicyConfig(_Section):
-    """The merge policy and its parameters (names as in METHODS.md)."""
-
-    name: str = Field(RECOMMENDED_POLICY, description="a registered policy name (`mergestream fold --help` lists them)")
-    params: dict[str, Any] = Field(default_factory=dict, description="policy parameters, e.g. {lambda: 0.3}")
-    unmerge_mode: Literal["subtract", "replay"] = Field(
-        "subtract", description="how `unmerge EXPERT` removes an expert (default replay for a policy that cannot subtract)")
-    preprocess: list[Literal["ri"]] = Field(default_factory=list, description="pre-steps applied to each expert")
-    ri: RIConfig = Field(default_factory=RIConfig)
-    objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _recommended_params(cls, data: Any) -> Any:
-        """No policy named: the recommended one with its measured parameters (an explicit ``params``,
-        even ``{}``, is kept)."""
-        if isinstance(data, dict) and "name" not in data and "params" not in data:
-            data = {**data, "params": dict(RECOMMENDED_PARAMS)}
-        if isinstance(data, dict) and "unmerge_mode" not in data and _CHECK_POLICY.get():
-            try:
-                pol = _make_policy(data.get("name", RECOMMENDED_POLICY), data.get("params") or {})
-            except Exception:  # noqa: BLE001 - any malformed name or params: reported by the checks below
-                return data
-            if not pol.subtract_unmerge:  # e.g. Iso-C: replay is its only unmerge
-                data = {**data, "unmerge_mode": "replay"}
-        return data
-
-    @model_validator(mode="after")
-    def _unmerge_mode_fits(self) -> PolicyConfig:
-        if _CHECK_POLICY.get() and self.unmerge_mode == "subtract" and not self.make().subtract_unmerge:
-            raise ValueError(f"policy {self.name} cannot unmerge by subtract (its state folds the experts "
-                             "together): set policy.unmerge_mode: replay")
-        return self
-
-    @field_validator("preprocess")
-    @classmethod
-    def _unique(cls, v: list[str]) -> list[str]:
-        if len(set(v)) != len(v):
-            raise ValueError("each pre-step may appear once")
-        return v
-
-    @model_validator(mode="after")
-    def _policy_exists(self) -> PolicyConfig:
-        if _CHECK_POLICY.get():
-            self.make()  # an unknown name or a bad parameter is refused when the config loads, not per expert
-        return self
-
-    def make(self) -> Policy:
-        """The configured :class:`~mergestream.policies.Policy`.
-
-        Raises:
-            ValueError: unknown policy name or bad parameters (a config error, reported by pydantic).
-        """
-        try:
-            return _make_policy(self.name, self.params)
-        except PolicyError as exc:
-            raise ValueError(str(exc)) from None
-
-    @model_validator(mode="after")
-    def _ri_needs_data(self) -> PolicyConfig:
-        if "ri" in self.preprocess and self.ri.data is None:
-            raise ValueError("preprocess [ri] needs ri.data (a file of unlabeled auxiliary inputs)")
-        if _CHECK_POLICY.get() and self.make().searches_coefficients() == "adamerging" and self.ri.data is None:
-            raise ValueError("coefficients: adamerging learns on unlabeled inputs: set policy.ri.data (the RI "
-                             "auxiliary data file; ri itself need not be in preprocess)")
-        return self
 
 
 class WatchConfig(_Section):
@@ -421,6 +305,13 @@ class Config(BaseSettings):
     def _zstd_needs_format_2(self) -> Config:
         if self.patch_zstd_level is not None and self.patch_format != 2:
             raise ValueError("patch_zstd_level needs patch_format: 2")
+        return self
+
+    @model_validator(mode="after")
+    def _auto_strength_needs_general_probe(self) -> Config:
+        if self.policy.strength.mode == "auto" and not any(q.type == "sentence_similarity" for q in self.probes):
+            raise ValueError("policy.strength: auto weighs the task probes against general knowledge: add a "
+                             "sentence_similarity probe")
         return self
 
     @model_validator(mode="after")

@@ -28,9 +28,13 @@ An expert folder (``<cache>/<name>-<key>/``) holds:
 * ``head.safetensors`` (``weight`` classes × 384, ``bias``): the task head, never merged;
 * ``expert.json``: task, classes, recipe, cache key, its own test accuracy and STS, timings;
 * ``mergestream_probe/`` (``head.safetensors``, ``probe.jsonl``, ``task.json``): the task probe the
-  daemon registers (:func:`mergestream.daemon.probes.discover_task_probe`). ``probe.jsonl`` is a
-  fixed, seeded subsample (``probe_examples``, default 200) of the task's **test** split: the probe
-  only monitors, nothing is tuned on it.
+  daemon registers (:func:`mergestream.daemon.probes.discover_task_probe`). ``probe.jsonl`` holds
+  ``probe_examples`` (default 200) **validation** rows, never test rows: the daemon tunes on them
+  (CMA-ES coefficients, ``policy.strength: auto``), so they must be out of sample for the test
+  split the benchmarks report. A task file with ``val`` rows (``bench/quality_setup.py`` carves
+  them out of train before any expert is trained) gives a seeded subsample of those; a file without
+  them gives ``probe_examples`` seeded train rows that the expert then never trains on
+  (:func:`probe_split`).
 
 The cache key is a sha256 of the recipe, the task file, θ₀'s weights and :data:`CODE_VERSION`; the
 cache root is ``MERGESTREAM_CACHE`` or ``~/.cache/mergestream/experts``. Experts are built in a
@@ -64,7 +68,8 @@ from . import text
 from .io.st import copy_aux_files
 
 #: Bump when the training or saving code changes in a way that changes the experts.
-CODE_VERSION = "1"
+#: 2: the task-probe rows are validation rows held out of training (were test rows).
+CODE_VERSION = "2"
 
 #: The 8-task stream, in the fixed order of the issue.
 STREAM_TASKS = ("sst2", "agnews", "trec", "20ng", "tweets", "wn_noun", "fortune_topic", "sicke")
@@ -145,11 +150,15 @@ def _offline() -> None:
 # ------------------------------------------------------------------------------------------
 @dataclass
 class TaskData:
+    """One task file's rows ``(text, text2 | None, label index)`` by split: ``train``, ``test`` and
+    ``val`` (rows a carve marked ``val``; empty for the shared files, which have none)."""
+
     name: str
     classes: list[str]
     train: list[tuple[str, str | None, int]]
     test: list[tuple[str, str | None, int]]
     sha256: str
+    val: list[tuple[str, str | None, int]] = field(default_factory=list)
 
     @property
     def pair(self) -> bool:
@@ -175,7 +184,8 @@ def load_task(name: str, data: str | os.PathLike | None = None) -> TaskData:
     idx = {lab: i for i, lab in enumerate(labels)}
     train = [(t, t2, idx[lab]) for sp, lab, t, t2 in rows if sp == "train"]
     test = [(t, t2, idx[lab]) for sp, lab, t, t2 in rows if sp == "test"]
-    return TaskData(name, labels, train, test, _file_sha(path))
+    val = [(t, t2, idx[lab]) for sp, lab, t, t2 in rows if sp == "val"]
+    return TaskData(name, labels, train, test, _file_sha(path), val)
 
 
 def load_sts(data: str | os.PathLike | None = None, max_pairs: int | None = None) -> list[tuple[float, str, str]]:
@@ -191,6 +201,63 @@ def subsample(rows: list, n: int | None, seed: int = 0) -> list:
     rng = random.Random(seed)
     keep = sorted(rng.sample(range(len(rows)), n))
     return [rows[i] for i in keep]
+
+
+def probe_split(task: TaskData, n: int) -> tuple[TaskData, list[tuple[str, str | None, int]], str]:
+    """The rows of an expert's task probe and the task the expert then trains on.
+
+    The probe rows are validation rows, never test rows: a seeded (seed 1) subsample of ``n`` of
+    the task's ``val`` rows when it has them (the train rows are unchanged); otherwise ``n`` seeded
+    train rows, removed from the returned task's train split so the expert never sees them.
+
+    Args:
+        task: the task as :func:`load_task` read it.
+        n: probe rows wanted (fewer when the ``val`` split is smaller).
+
+    Returns:
+        (task to train on, probe rows ``(text, text2 | None, label)``, where they came from: a
+        sentence for ``expert.json``).
+
+    Raises:
+        ValueError: ``n`` < 1, or a task without ``val`` rows that has no more than ``n`` train rows.
+    """
+    if n < 1:
+        raise ValueError(f"task {task.name}: probe_examples must be >= 1, got {n}")
+    if task.val:
+        return task, subsample(task.val, n, seed=1), "validation split (val rows), seeded subsample (seed 1)"
+    if len(task.train) <= n:
+        raise ValueError(f"task {task.name}: {len(task.train)} train rows, cannot hold out {n} probe rows")
+    held = set(random.Random(1).sample(range(len(task.train)), n))
+    probe = [r for i, r in enumerate(task.train) if i in held]
+    rest = [r for i, r in enumerate(task.train) if i not in held]
+    return (dataclasses.replace(task, train=rest), probe,
+            "validation rows held out of the train split before training (seed 1)")
+
+
+def write_task_probe(folder: str | os.PathLike, name: str, weight: torch.Tensor, bias: torch.Tensor,
+                     rows: list[tuple[str, str | None, int]]) -> Path:
+    """Write the task probe the daemon discovers (:func:`mergestream.daemon.probes.discover_task_probe`):
+    ``folder/head.safetensors`` (``weight`` classes × hidden, ``bias`` classes), ``probe.jsonl`` (one
+    ``{"text", ["text2",] "label"}`` per row) and ``task.json`` (task ``name``, mean pooling).
+
+    Returns:
+        ``folder`` (created; it must not exist yet). Raises FileExistsError when it does.
+    """
+    from safetensors.torch import save_file
+
+    pdir = Path(folder)
+    pdir.mkdir()
+    save_file({"weight": weight.detach().float().contiguous().clone(), "bias": bias.detach().float().contiguous().clone()},
+              str(pdir / "head.safetensors"))
+    with open(pdir / "probe.jsonl", "w", encoding="utf-8") as fh:
+        for t, t2, y in rows:
+            obj: dict[str, Any] = {"text": t}
+            if t2 is not None:
+                obj["text2"] = t2
+            obj["label"] = y
+            fh.write(json.dumps(obj, ensure_ascii=False) + "\n")
+    (pdir / "task.json").write_text(json.dumps({"task": name, "pooling": "mean"}) + "\n")
+    return pdir
 
 
 # ------------------------------------------------------------------------------------------
@@ -467,6 +534,7 @@ def build_expert(spec: ExpertSpec, *, cache: str | os.PathLike | None = None, da
     if (final / "expert.json").is_file():
         log(f"cached {spec.name}: {final}")
         return final
+    task, probe_rows, probe_source = probe_split(task, spec.probe_examples)  # never trained on
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(f".tmp-{spec.name}-{key}-*"):  # left by a killed build
         try:
@@ -490,19 +558,8 @@ def build_expert(spec: ExpertSpec, *, cache: str | os.PathLike | None = None, da
         w = head.weight.detach().float().contiguous()
         b = head.bias.detach().float().contiguous()
         save_file({"weight": w, "bias": b}, str(tmp / "head.safetensors"))
-        # task probe the daemon registers
-        pdir = tmp / "mergestream_probe"
-        pdir.mkdir()
-        save_file({"weight": w.clone(), "bias": b.clone()}, str(pdir / "head.safetensors"))
-        probe_rows = subsample(task.test, spec.probe_examples, seed=1)
-        with open(pdir / "probe.jsonl", "w", encoding="utf-8") as fh:
-            for t, t2, y in probe_rows:
-                obj: dict[str, Any] = {"text": t}
-                if t2 is not None:
-                    obj["text2"] = t2
-                obj["label"] = y
-                fh.write(json.dumps(obj, ensure_ascii=False) + "\n")
-        (pdir / "task.json").write_text(json.dumps({"task": spec.name, "pooling": "mean"}) + "\n")
+        # task probe the daemon registers (validation rows, held out of training above)
+        write_task_probe(tmp / "mergestream_probe", spec.name, w, b, probe_rows)
         # own evaluation
         t1 = time.perf_counter()
         test = subsample(task.test, eval_examples, seed=0)
@@ -515,7 +572,7 @@ def build_expert(spec: ExpertSpec, *, cache: str | os.PathLike | None = None, da
                 "recipe": spec.recipe.to_json(), "key": key, "code_version": CODE_VERSION,
                 "data_sha256": task.sha256, "base": str(base_p), "train_examples": len(subsample(task.train, spec.recipe.max_train)),
                 "test_accuracy": acc, "test_examples": len(test), "sts_spearman": sts,
-                "probe_examples": len(probe_rows), "probe_source": "test split, seeded subsample (seed 1)",
+                "probe_examples": len(probe_rows), "probe_source": probe_source,
                 "train_seconds": t_train, "eval_seconds": time.perf_counter() - t1, **info}
         (tmp / "expert.json").write_text(json.dumps(meta, indent=2) + "\n")
         if final.exists():

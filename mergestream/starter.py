@@ -39,6 +39,9 @@ base: {base}
   # objective: {{task_weight: 1.0, general_weight: 1.0, examples_per_task: 64, general_pairs: 200}}
   # with mdm_oc and params {{coefficients: adamerging}}, per-layer α are learned on ri.data (needed even
   # without preprocess [ri]; experts must ship a task head): objective: {{adamerging_examples: 64}}
+  # strength: auto              # per fold, fold at each value of the policy's strength (lambda, alpha) and
+  #                            # keep the best on the objective above (task probes' rows + a sentence_similarity
+  #                            # probe, needed); a grid of your own: strength: {{mode: auto, grid: [1.5, 2.0, 3.0]}}
 
 # New experts arrive here: a .safetensors file, a Hugging Face folder or a PEFT LoRA adapter folder.
 # One is ready when a READY marker appears (inside a folder; `<file>.READY` next to a file), or when

@@ -160,7 +160,8 @@ TORCH_FREE = sorted(m for m in MODULES if m in {"mergestream", "mergestream.io",
                                                  "mergestream.patches.codec", "mergestream.patches.build",
                                                  "mergestream.io.model_card", "mergestream.recommended",
                                                  # what the ledger verbs (status, history, rollback) load
-                                                 "mergestream.config", "mergestream.daemon.ledger",
+                                                 "mergestream.config", "mergestream.config_policy",
+                                                 "mergestream.daemon.ledger",
                                                  "mergestream.daemon.store", "mergestream.daemon.notes"}
                     or m.startswith(("mergestream.feed", "mergestream.agent")))
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -172,6 +173,43 @@ def test_validation_rows_are_carved_out_of_train_before_training(tmp_path):
         assert {r["split"] for r in csv.DictReader(fh, delimiter="\t")} == {"train", "test", "val"}
     with pytest.raises(S.BenchInputError, match="cannot carve"):
         S.carve_validation(src, tmp_path / "too-many", ["sms"], 10_000)
+
+
+def _probe_file_rows(folder: Path) -> list[tuple[str, str | None, int]]:
+    return [(o["text"], o.get("text2"), o["label"]) for o in map(json.loads, open(folder / "probe.jsonl", encoding="utf-8"))]
+
+
+@pytest.mark.parametrize("carved", [True, False], ids=["carved-val-rows", "shared-files"])
+def test_expert_task_probes_are_validation_rows_never_test_rows(tmp_path, carved):
+    """Issue 39, 4(e): the probe files written next to built experts (what the daemon's CMA-ES and
+    strength search tune on) hold validation rows: on the 8 real stream tasks, no probe row is a test
+    row (a text shared by the test and train splits, a known duplicate of the data, is a train row)
+    and none is a row the expert trains on. Carved: the bench's val rows, the tuning rows themselves."""
+    import torch
+
+    tasks = list(X.STREAM_TASKS)
+    src = X.data_root()
+    data = S.carve_validation(src, S.carved_folder(tmp_path, tasks, 100), tasks, 100) if carved else src
+    for t in tasks:
+        orig = X.load_task(t, src)
+        task = X.load_task(t, data)
+        trained_on, rows, source = X.probe_split(task, 200)
+        pdir = X.write_task_probe(tmp_path / f"probe-{t}", t, torch.zeros(len(task.classes), X.HIDDEN),
+                                  torch.zeros(len(task.classes)), rows)
+        written = _probe_file_rows(pdir)
+        assert written == rows and len(written) == (100 if carved else 200) and "val" in source
+        test_texts = {(a, b) for a, b, _ in orig.test}
+        train_texts = {(a, b) for a, b, _ in orig.train}
+        leaked = [r for r in written if (r[0], r[1]) in test_texts and (r[0], r[1]) not in train_texts]
+        assert not leaked, f"{t}: {len(leaked)} probe rows are test rows"
+        # the expert never trains on them (counted: a few tasks repeat a text within train)
+        if carved:
+            assert set(written) == set(S.validation_rows(data, t))  # the rows tuning uses, not in train
+            assert trained_on.train == task.train
+        else:
+            assert Counter(trained_on.train) + Counter(written) == Counter(task.train)
+            assert len(trained_on.train) == len(task.train) - 200
+    assert X.probe_split(X.load_task("trec", data), 200) == X.probe_split(X.load_task("trec", data), 200)  # seeded
 
 
 def test_lpft_rule_and_variants_tuned_with_their_parent():
@@ -350,3 +388,41 @@ def test_gain_share_table_per_task_and_on_average(tmp_path):
     doc["references"]["base_head_acc"]["trec"] = 79.5
     R.write_md(doc, tmp_path / "q2.md")
     assert "| dop | 84 | – | 84 |" in (tmp_path / "q2.md").read_text()
+
+
+def test_heldout_split_and_report_without_models(tmp_path):
+    """bench/quality_heldout.py: the split keeps file order and refuses a bad one; the report ranks
+    each set, compares auto and the visible-tuned value with the default, and says how far the
+    visible-best row is from the held-out best."""
+    import quality_heldout as HO
+
+    tasks = list(X.STREAM_TASKS)
+    vis, held = HO.split_tasks(tasks, list(HO.HELDOUT))
+    assert vis == ["sst2", "trec", "20ng", "tweets", "fortune_topic"] and held == ["agnews", "wn_noun", "sicke"]
+    for bad in (["nope"], tasks, []):
+        with pytest.raises(S.BenchInputError):
+            HO.split_tasks(tasks, bad)
+
+    def run(label, mode, which, h, strength):
+        return {"label": label, "mode": mode, "set": which, "strength_text": f"x {strength}", "params": {"x": strength},
+                "final": {"ACC": h, "G": h, "H": h, "BWT": -1.0}}
+
+    runs = [run("task_arithmetic", "default", "visible", 70.0, 0.3), run("task_arithmetic", "auto", "visible", 71.0, "0.3 → 0.5"),
+            run("iso_c", "visible-tuned", "visible", 80.0, 2.7), run("iso_c", "default", "visible", 79.0, 2.0),
+            run("iso_c", "visible-tuned", "heldout", 75.0, 2.7), run("task_arithmetic", "visible-tuned", "heldout", 76.0, 0.2),
+            run("iso_c", "default", "heldout", 74.0, 2.0), run("iso_c", "auto", "heldout", 74.5, "2 → 3.5")]
+    doc = {"command": "c", "runs": runs, "seconds": 60.0, "references": {"base_G": 82.0},
+           "tuning": {"iso_c": {"param": "alpha", "val_H": {"2.0": 80.0, "2.7": 81.0}, "chosen": 2.7}},
+           "protocol": {"visible": vis, "heldout": held, "eval_examples": 300, "sts_pairs": 500, "val_rows": 100,
+                        "recipe_overrides": {"epochs": 1}, "lpft": "tasks", "reduced": "file order only",
+                        "objective": {"task_weight": 1.0, "general_weight": 1.0, "examples_per_task": 64,
+                                      "general_pairs": 200}}}
+    assert HO.ranking(runs, "heldout", "visible-tuned") == [("task_arithmetic", 76.0), ("iso_c", 75.0)]
+    doc["findings"] = f = HO.findings(doc)
+    assert f["visible-best on held-out"].startswith("iso_c (best on visible) scores H 75.00") and "1.00 below" in f["visible-best on held-out"]
+    assert f["auto vs default (visible)"].startswith("mean ΔH +1.00") and f["auto vs default (heldout)"].startswith("mean ΔH +0.50")
+    HO.write_md(doc, tmp_path / "q.md")
+    md = (tmp_path / "q.md").read_text()
+    assert "| iso_c | auto | x 2 → 3.5 | 74.5 | 74.50 | 74.50 | -1.0 | +0.50 |" in md
+    assert "| visible-tuned | iso_c 80.00 | task_arithmetic 76.00, iso_c 75.00 |" in md and "Reduced: file order only" in md
+    assert "POLICIES (iso_c {'x': 2.0}; task_arithmetic {'x': 0.3})" in md

@@ -62,6 +62,11 @@ def test_expert_folder_layout_and_fold(tmp_path):
     probe = discover_task_probe(folder)
     assert probe is not None and probe.task == "sms"
     assert sum(1 for _ in open(probe.data)) == 50
+    # the probe's rows are validation rows held out of training, never test rows (issue 39, 4(e))
+    assert "held out of the train split" in meta["probe_source"]
+    test_texts = {t for t, _, _ in X.load_task("sms").test}
+    train_texts = {t for t, _, _ in X.load_task("sms").train}
+    assert not [r for r in map(json.loads, open(probe.data)) if r["text"] in test_texts - train_texts]
     rep = fold(X.base_model_path(), None, folder, "task_arithmetic", {"lambda": 0.3}, state_dir=tmp_path / "st",
                out=tmp_path / "v1")
     assert (tmp_path / "v1").is_dir() and rep.experts
@@ -100,3 +105,33 @@ def test_daemon_rejects_the_harmful_expert_and_accepts_real_ones(tmp_path, capsy
     assert 0 < res.cpu_seconds
     print_summary(res)
     assert f"{res.cpu_seconds:.0f} CPU s" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_heldout_benchmark_runs_end_to_end_on_a_tiny_configuration(tmp_path):
+    """bench/quality_heldout.py on three real tasks (one held out), tiny experts and few rows: every
+    mode runs on both sets, visible-tuned runs the value tuned on the visible tasks only, auto records
+    the daemon's per-fold choice (the default first among its candidates), and the outputs are written."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    import quality_heldout as HO
+
+    out = tmp_path / "out"
+    assert HO.main(["--tasks", "sms,r8,trec", "--heldout", "trec", "--policies", "task_arithmetic",
+                    "--eval-examples", "16", "--sts-pairs", "16", "--val-rows", "24", "--recipe", "max_train=64,max_steps=4",
+                    "--lpft", "tasks", "--threads", "2", "--cache", str(tmp_path / "cache"), "--out", str(out)]) == 0
+    doc = json.loads((out / "quality_heldout.json").read_text())
+    assert doc["protocol"]["visible"] == ["sms", "r8"] and doc["protocol"]["heldout"] == ["trec"]
+    runs = {(r["mode"], r["set"]): r for r in doc["runs"]}
+    assert set(runs) == {(m, s) for m in HO.MODES for s in HO.SETS}
+    tuned = doc["tuning"]["task_arithmetic"]
+    assert tuned["chosen"] in tuned["grid"] and set(tuned["val_H"]) == {str(v) for v in tuned["grid"]}
+    assert runs[("visible-tuned", "heldout")]["params"]["lambda"] == tuned["chosen"]
+    assert runs[("default", "heldout")]["params"]["lambda"] == 0.3
+    auto = runs[("auto", "visible")]["auto_choices"]
+    assert [c["task"] for c in auto] == ["sms", "r8"] and all(c["candidates"][0]["value"] == 0.3 for c in auto)
+    assert {"acc.sms", "acc.r8", "sts"} <= set(auto[1]["candidates"][0])  # the tasks folded so far + STS-B dev
+    assert runs[("auto", "visible")]["strength"] == [c["chosen"] for c in auto]
+    assert "## Rankings by H" in (out / "quality_heldout.md").read_text()

@@ -180,6 +180,11 @@ def policies_page() -> str:
         first = inspect.cleandoc(mod.__doc__ or "").split("\n\n")
         out += [f"## `{name}`", "", _cell(first[0]), ""]
         out += _params_table(cls.Params)
+        strength = cls().strength()
+        out += ["", (f"Strength (what `policy.strength: auto` searches, [data-driven merging](../data-driven.md)): "
+                     f"`{strength[0]}` over {', '.join(f'{v:g}' for v in strength[1])} and the configured value."
+                     if strength else "No declared strength parameter: `policy.strength: auto` needs "
+                     "`strength.param` (a numeric parameter) and `strength.grid`.")]
         out += ["", f'??? note "The math of `{name}` (docstring of `{cls.__module__}`)"', "",
                 "    ```text"]
         out += ["    " + line if line else "" for line in inspect.cleandoc(mod.__doc__ or "").splitlines()]

@@ -109,6 +109,19 @@ class ProbeObjective:
         out["score"] = score
         return out
 
+    def score_model(self, folder: Path) -> dict[str, float]:
+        """Load a written candidate (a model folder or safetensors file the engine wrote) into the
+        resident encoder, tensor by tensor, and score it (:meth:`score`); the candidate is not kept.
+
+        Raises:
+            ProbeError: a tensor the encoder does not have, or of another shape.
+        """
+        from ..io.checkpoints import open_checkpoint
+
+        with open_checkpoint(folder) as ck:
+            self.load((name, ck.get(name)) for name in ck.keys())
+        return self.score()
+
     def __call__(self, alphas: np.ndarray, weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]) -> float:
         t0 = time.perf_counter()
         self.load(weights())

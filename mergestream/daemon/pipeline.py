@@ -9,7 +9,8 @@ ledger, ``fold.json``, Prometheus metrics, an MLflow run) by :meth:`Pipeline.con
 
 Pre-steps and data-driven extras of a fold: the RI pre-step (``policy.preprocess: [ri]``) and the
 coefficient search's probe objective (a policy whose ``searches_coefficients()`` is true) live in
-:mod:`.prestep`; the probes themselves in :mod:`.probes` (run through :class:`.probing.Prober`).
+:mod:`.prestep`, the per-fold strength choice (``policy.strength: auto``) in :mod:`.strength`; the
+probes themselves in :mod:`.probes` (run through :class:`.probing.Prober`).
 
 An expert is folded from its kept copy in the state folder (:class:`.store.KeptExperts`), which the
 state manifest records, so replay never depends on the original staying where it arrived; kept
@@ -48,6 +49,7 @@ from .prestep import PreStepRejected, PreSteps, StopRequested
 from .probing import Prober
 from .records import ARRIVAL_PREFIX, Attempt, ExpertRow, Outcome
 from .store import Store, arrival_root
+from .strength import fold_at_best_strength
 from .tracking import Tracker
 
 log = logging.getLogger("mergestream.service")
@@ -214,7 +216,6 @@ class Pipeline:
                 att.candidate_expert = Path(src) if Path(src).is_dir() else None
             objective = self.presteps.objective(att.candidate_expert, policy) if policy.searches_coefficients() \
                 else None
-            self.store.carry_state(att.staging / "state")
             delay = self.tensor_delay
 
             def hook(_name: str) -> None:
@@ -226,10 +227,20 @@ class Pipeline:
             # it was registered is refused (unless RI replaced it with its adapted copy)
             checked = raw and row.metadata.get(HASH_KEY) in HASH_KINDS
             arrival = row.sha256[len(ARRIVAL_PREFIX):] if row.sha256.startswith(ARRIVAL_PREFIX) else None
-            rep = engine.fold(self.cfg.base, backbone, src, policy, state_dir=att.staging / "state",
-                              out=att.staging / "model", expert_id=row.expert_id, tensor_hook=hook,
-                              objective=objective, expect_sha256=row.sha256 if checked else None,
-                              options=self.options())
+
+            def fold_one(policy, state_dir: Path, out: Path) -> engine.FoldReport:
+                return engine.fold(self.cfg.base, backbone, src, policy, state_dir=state_dir, out=out,
+                                   expert_id=row.expert_id, tensor_hook=hook, objective=objective,
+                                   expect_sha256=row.sha256 if checked else None, options=self.options())
+
+            if pol.strength.mode == "auto":  # one fold per candidate strength, the best kept (.strength)
+                rep, att.extra["strength"] = fold_at_best_strength(
+                    pol, self.presteps.probe_objective(att.candidate_expert), fold_one, self.store.carry_state,
+                    att.staging)
+                att.timings["strength_seconds"] = att.extra["strength"]["seconds"]
+            else:
+                self.store.carry_state(att.staging / "state")
+                rep = fold_one(policy, att.staging / "state", att.staging / "model")
         except StopRequested:
             raise
         except PreStepRejected as exc:

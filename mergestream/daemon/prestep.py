@@ -121,6 +121,16 @@ class PreSteps:
         policy = policy if policy is not None else self.cfg.policy.make()
         if policy.searches_coefficients() == "adamerging":
             return self.entropy_objective(candidate_expert)
+        return self.probe_objective(candidate_expert)
+
+    def probe_objective(self, candidate_expert: Path | None) -> ProbeObjective:
+        """The data probes' objective (:class:`.objective.ProbeObjective`, ``policy.objective``'s
+        weights and row counts): every accepted expert's task probe and the candidate's own, and the
+        configured sentence_similarity probe. What CMA-ES and ``policy.strength: auto`` maximise.
+
+        Raises:
+            ProbeError: no task probe and no sentence_similarity probe, or a malformed probe.
+        """
         oc = self.cfg.policy.objective
         general = next((p for p in self.prober.probes() if isinstance(p, SentenceSimilarityProbe)), None)
         base = Path(self.cfg.base)

@@ -62,6 +62,43 @@ def reference_params(name: str) -> dict[str, Any] | None:
     return None if ref is None else dict(ref)
 
 
+def strength_candidates(name: str, params: dict[str, Any] | None, param: str | None = None,
+                        grid: list[float] | None = None) -> tuple[str, list[float], float]:
+    """The per-fold strength search of ``policy.strength: auto``: which parameter, which values.
+
+    Args:
+        name, params: the configured policy. param: the parameter to search (default: the policy's
+            :meth:`Policy.strength` parameter). grid: candidate values (default: the policy's grid
+            for that parameter).
+
+    Returns:
+        (parameter, candidate values in trial order, the configured value): the configured value
+        (the policy's default when ``params`` omits it) first, then the grid ascending, no duplicates.
+
+    Raises:
+        PolicyError: unknown policy; no strength parameter and none named; a parameter that is not
+            a number of the policy; no grid for it; a candidate value the policy refuses.
+    """
+    params = dict(params or {})
+    pol = make_policy(name, params)
+    declared = pol.strength()
+    param = param or (declared[0] if declared else None)
+    if param is None:
+        raise PolicyError(f"policy {name} has no strength parameter: name one (policy.strength.param)")
+    current = pol.describe().get(param)
+    if isinstance(current, bool) or not isinstance(current, (int, float)):
+        raise PolicyError(f"strength parameter {param!r} is not a numeric parameter of {name} "
+                          f"(its parameters: {', '.join(sorted(pol.describe()))})")
+    if grid is None and declared and declared[0] == param:
+        grid = list(declared[1])
+    if not grid:
+        raise PolicyError(f"strength parameter {param} of {name} has no default grid: give one (policy.strength.grid)")
+    values = [float(current)] + sorted({float(v) for v in grid} - {float(current)})
+    for v in values[1:]:
+        make_policy(name, {**params, param: v})  # an out-of-range candidate is refused before any fold
+    return param, values, float(current)
+
+
 def policy_names() -> list[str]:
     """The registered policy names, in registry order (the order of the docs' policy tables)."""
     return list(REGISTRY)

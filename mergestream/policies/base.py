@@ -121,6 +121,11 @@ class Policy:
     #: conventions, checked by tests/test_conformance.py on the fixtures of
     #: bench/conformance_reference.py; None for a policy that has no reference there
     reference_params: ClassVar[dict[str, Any] | None] = None
+    #: the parameter that sets how strongly an expert is folded (``lambda``, ``alpha``) and the
+    #: candidate values ``policy.strength: auto`` tries by default (the grid bench/quality.py
+    #: tunes on); None for a policy without one (weight averaging). Ask an instance: :meth:`strength`.
+    strength_param: ClassVar[str | None] = None
+    strength_grid: ClassVar[tuple[float, ...]] = ()
 
     def __init__(self, params: dict[str, Any] | PolicyParams | None = None):
         if isinstance(params, PolicyParams):
@@ -199,6 +204,12 @@ class Policy:
             NotImplementedError: a policy that does not scale globally.
         """
         raise NotImplementedError(f"policy {self.name} has no global scale")
+
+    def strength(self) -> tuple[str, tuple[float, ...]] | None:
+        """Capability: (the parameter that scales the fold, its default candidate values) for the
+        daemon's per-fold strength choice (``policy.strength: auto``), or None when the policy has
+        no such parameter. Default: the class's :attr:`strength_param` and :attr:`strength_grid`."""
+        return None if self.strength_param is None else (self.strength_param, tuple(self.strength_grid))
 
     def refold_params(self, coefficient: float | None) -> dict[str, Any]:
         """Capability: the parameters that fold this expert again without an objective (replay),

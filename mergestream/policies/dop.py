@@ -254,6 +254,8 @@ class Dop(Policy):
     """DOP (NeurIPS 2025); see the module docstring."""
 
     name = "dop"
+    strength_param = "alpha"
+    strength_grid = (0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 1.0)
     Params = DopParams
     reference_params = {"solver": "adam", "epsilon": 0.99999, "rank": "below", "steps": 200, "lr": 1e-4,
                         "ema_beta": 0.999}

@@ -153,6 +153,8 @@ class IsoC(Policy):
     """Iso-C (Marczak et al., ICML 2025); see the module docstring."""
 
     name = "iso_c"
+    strength_param = "alpha"
+    strength_grid = (1.0, 1.5, 2.0, 2.7, 3.5)
     Params = IsoCParams
     #: the running sum cannot drop one expert's τ (see the module docstring): replay only
     subtract_unmerge = False

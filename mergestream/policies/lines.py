@@ -129,6 +129,10 @@ class Lines(Policy):
         """The inner policy's capability (CMA-ES rebuilds go through :meth:`rebuild`, scaled)."""
         return self.inner.searches_coefficients()
 
+    def strength(self) -> tuple[str, tuple[float, ...]] | None:
+        """The inner policy's strength parameter and grid (LiNeS scales it per depth)."""
+        return self.inner.strength()
+
     def refold_params(self, coefficient: float | None) -> dict[str, Any]:
         """The inner policy's replay parameters, with the same LiNeS parameters."""
         return {**self.inner.refold_params(coefficient), **self.lines.model_dump()}

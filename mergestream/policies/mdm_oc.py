@@ -131,6 +131,8 @@ class MdmOc(Policy):
     """MDM-OC (Khan et al. 2025); see the module docstring."""
 
     name = "mdm_oc"
+    strength_param = "alpha"
+    strength_grid = (0.1, 0.15, 0.2, 0.3, 0.5)
     Params = MdmOcParams
     coefficient_param = "alpha"
     contributions_in_state = True

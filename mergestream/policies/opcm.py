@@ -95,6 +95,8 @@ class Opcm(Policy):
     """OPCM (Tang et al. 2025); see the module docstring."""
 
     name = "opcm"
+    strength_param = "alpha"
+    strength_grid = (0.3, 0.5, 0.7, 0.9)
     Params = OpcmParams
     reference_params = {"scope": "global", "zero_diagonal": True, "rank": "above", "project": "linear"}
 

@@ -208,11 +208,20 @@ class SafeMerge(Policy):
     """SAFE-Merge (Qiu et al. 2026); see the module docstring. State: cached U₀, V₀ per tensor."""
 
     name = "safe_merge"
+    strength_param = "lambda"
+    strength_grid = (0.2, 0.3, 0.5, 0.7)
     Params = SafeMergeParams
 
     def __init__(self, params=None):
         super().__init__(params)
         self.subtract_unmerge = self.params.iso_alpha == 0  # the isotropic sum cannot drop one fold
+
+    def strength(self) -> tuple[str, tuple[float, ...]]:
+        """``lambda`` and its grid; with ``iso_alpha`` > 0 (the isotropic merge of the masked
+        updates) ``iso_alpha`` and bench/quality.py's grid for it."""
+        if self.params.iso_alpha > 0:
+            return "iso_alpha", (1.5, 2.0, 2.5, 3.0, 4.5)
+        return "lambda", tuple(self.strength_grid)
 
     def product_dtype(self, device: torch.device) -> torch.dtype | None:
         """The randomised SVDs' product dtype on ``device`` for ``svd_products`` (None: float32)."""

@@ -220,6 +220,8 @@ class TaskArithmetic(GeneralizedTaskArithmetic):
     """Task Arithmetic (Ilharco et al. 2023, eq. 1): Δ_t = λ·τ; default λ = 0.3."""
 
     name = "task_arithmetic"
+    strength_param = "lambda"
+    strength_grid = (0.1, 0.15, 0.2, 0.3, 0.5)
     consensus = "sum"
     Params = GeneralizedTaskArithmeticParams
     reference_params = {"lambda": 0.3}
@@ -238,6 +240,8 @@ class Ties(GeneralizedTaskArithmetic):
     """TIES-Merging (Yadav et al. 2023, §3): trim to top-k%, elect sign, disjoint mean; ×λ."""
 
     name = "ties"
+    strength_param = "lambda"
+    strength_grid = (0.5, 0.7, 1.0, 1.3)
     consensus = "ties"
     Params = TiesParams
     reference_params = {"continual": "accumulate", "disjoint": "sum", "trim": "plus_one", "lambda": 0.5, "k": 20}
@@ -252,6 +256,8 @@ class MagMax(GeneralizedTaskArithmetic):
     """MagMax (Marczak et al. 2024, §3): per entry the τ of largest magnitude; ×λ (default 0.5)."""
 
     name = "magmax"
+    strength_param = "lambda"
+    strength_grid = (0.15, 0.2, 0.3, 0.5, 0.7)
     consensus = "max"
     Params = MagMaxParams
     reference_params = {"tie": "last", "lambda": 0.5}
