@@ -161,19 +161,27 @@ def test_ray_replay_unmerge_equals_local(cluster, models, tmp_path):
     assert _state_bytes(st_r) == _state_bytes(st_l)
 
 
-def test_a_killed_worker_is_retried_and_the_fold_is_unchanged(cluster, models, tmp_path):
-    bpath, experts = models
-    marker = tmp_path / "killed-once"
+class KillOnce:
+    """A task hook (runs in the worker): the first task to reach it dies with its process (SIGKILL);
+    ``marker`` (a file every worker sees) records that it happened, so the retry goes on."""
 
-    def kill_once(names):  # runs in the worker: the first task to get here dies with its process
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __call__(self, names: list[str]) -> None:
         try:
-            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            fd = os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
             return
         os.close(fd)
         os.kill(os.getpid(), signal.SIGKILL)
 
-    ex = make_executor("ray", group_bytes=GROUP, task_hook=kill_once, max_retries=2)
+
+def test_a_killed_worker_is_retried_and_the_fold_is_unchanged(cluster, models, tmp_path):
+    bpath, experts = models
+    marker = tmp_path / "killed-once"
+
+    ex = make_executor("ray", group_bytes=GROUP, task_hook=KillOnce(marker), max_retries=2)
     out_l, st_l = _chain(tmp_path, "local", bpath, experts, "safe_merge", POLICIES[3][1])
     out_r, st_r = _chain(tmp_path, "ray", bpath, experts, "safe_merge", POLICIES[3][1], executor=ex)
     assert marker.exists()

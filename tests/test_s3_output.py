@@ -9,9 +9,6 @@ replaced last, earlier versions kept."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,7 +24,7 @@ from mergestream.io.state import StateDir  # noqa: E402
 
 from .conftest import perturb, random_model, save_tensors  # noqa: E402
 from .s3_server import TEST_CREDENTIALS, run_s3_server  # noqa: E402
-from .test_executor_ray import _files, _state_bytes, cluster  # noqa: E402,F401 - cluster: a fixture
+from .test_executor_ray import KillOnce, _files, _state_bytes, cluster  # noqa: E402,F401 - cluster: a fixture
 
 #: the part size the driver uses here (S3's is 5 MiB; the test server is told to accept this one),
 #: so that models of a few hundred KiB have shards larger than a part
@@ -247,16 +244,8 @@ def test_a_killed_worker_is_retried_and_overwrites_only_its_own_staging_object(c
     bucket = s3.new_bucket("retry")
     marker = tmp_path / "killed-once"
 
-    def kill_once(names):  # runs in the worker: the first task to get here dies with its process
-        try:
-            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            return
-        os.close(fd)
-        os.kill(os.getpid(), signal.SIGKILL)
-
     _fold(bpath, None, experts[0], "ties", {"k": 30}, tmp_path / "st-l", tmp_path / "local", "e0", LocalExecutor())
-    ex = make_executor("ray", task_hook=kill_once, max_retries=2)
+    ex = make_executor("ray", task_hook=KillOnce(marker), max_retries=2)
     rep = _fold(bpath, None, experts[0], "ties", {"k": 30}, tmp_path / "st-r", f"s3://{bucket}/r/", "e0", ex)
     assert marker.exists()
     assert objects(s3, bucket, "r/versions/000001/model/") == _files(tmp_path / "local")
