@@ -294,3 +294,41 @@ def test_second_round_of_rough_edges(tmp_path):
 
     with pytest.raises(ValidationError, match="did you mean 'rho'"):
         Config(base=bpath, policy={"name": "safe_merge", "params": {"rhoo": 0.2}})
+
+
+def test_the_current_version_gauge_is_set_when_the_publish_is_logged_and_before_tracking(tmp_path):
+    """`mergestream_current_version` follows a publish (and a rollback) at once: it is already the new
+    number when the `published version=N` line is logged and when the tracker (MLflow: seconds of
+    calls) is asked to record it — the new-user trial saw the old value for seconds after the line."""
+    import logging
+
+    bpath, experts = _experts(tmp_path, 2)
+    svc = _service(tmp_path, bpath)
+    seen: list[tuple[str, float]] = []
+
+    class Watch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith("published version="):
+                seen.append(("log", svc.metrics.current_version._value.get()))
+
+    submit = svc.tracker.submit
+
+    def watched_submit(kind, payload):  # the real tracker still runs (disabled here: returns at once)
+        seen.append((kind, svc.metrics.current_version._value.get()))
+        return submit(kind, payload)
+
+    svc.tracker.submit = watched_submit
+    handler, logger = Watch(), logging.getLogger("mergestream.service")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        _fold_each(svc, experts, ["a", "b"])
+        _ok(svc, "rollback", 1)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        svc.shutdown()
+    assert [v for k, v in seen if k == "log"] == [1.0, 2.0]
+    assert [v for k, v in seen if k == "fold"] == [1.0, 2.0]
+    assert [v for k, v in seen if k == "alias"] == [1.0, 2.0, 1.0]  # the last: after the rollback

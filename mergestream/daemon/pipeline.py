@@ -398,6 +398,7 @@ class Pipeline:
             if att.candidate_expert is not None:
                 self.prober.keep_task_probe(att.expert_id, att.candidate_expert)
         self.metrics.last_success.set(time.time())
+        self.metrics.current_version.set(version)  # now, not after the tracking calls (MLflow: seconds)
         self.show_current_probes()
         removed = self.store.retain(self.cfg.retention)
         if removed:

@@ -303,9 +303,9 @@ class Service:
         """
         _, message = roll_back(self.store, self.ledger, version, self.cfg.policy.name)
         self.pipeline.show_current_probes()  # exactly version N's probes: no series of tasks it lacks
-        self.tracker.submit("alias", {})
+        self.pipeline.refresh_gauges()  # before the tracking call (MLflow: seconds)
         self.metrics.operator_rollbacks.inc()
-        self.pipeline.refresh_gauges()
+        self.tracker.submit("alias", {})
         return message
 
     def unmerge(self, expert_id: str) -> str:
