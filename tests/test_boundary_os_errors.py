@@ -175,11 +175,11 @@ FILL = textwrap.dedent("""
     import os
     def fill(path, free):
         # write zeros until the disk is full, then give back ``free`` bytes
-        with open(path, "wb") as fh:
+        # unbuffered: nothing is left in a buffer for close() to fail on (it did, now and then)
+        with open(path, "wb", buffering=0) as fh:
             try:
                 while True:
                     fh.write(b"\\0" * 65536)
-                    fh.flush()
             except OSError:
                 pass
         os.truncate(path, max(0, os.path.getsize(path) - free))

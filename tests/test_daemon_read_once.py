@@ -148,3 +148,49 @@ def test_a_sharded_folder_expert_is_queued_by_its_files_and_survives_a_restart_q
         assert row.status == "accepted" and row.sha256 == content_sha256(folder)
     finally:
         svc.shutdown()
+
+
+def test_an_expert_rewritten_while_it_is_folded_is_refused_and_nothing_is_published(tmp_path):
+    """The fold reads the kept hard link of the inbox file: a rewrite in place during the fold
+    would give a hash of a mix of two contents; the files folded are checked after the pass."""
+    import threading
+    import time
+
+    bpath, (e0, e1) = _setup(tmp_path, 2)
+    svc = _service(tmp_path, bpath)
+    svc.pipeline.tensor_delay = 0.3  # seconds per tensor: the fold takes ~2 s
+    try:
+        _ready(svc, e0, "e0")
+        new = e1.read_bytes()
+
+        def rewrite() -> None:
+            time.sleep(0.6)
+            with open(e0, "r+b") as fh:
+                fh.write(new)
+
+        t = threading.Thread(target=rewrite)
+        t.start()
+        assert svc.step()
+        t.join()
+        row = svc.ledger.expert("e0")
+        assert row.status == "rejected" and "changed while it was folded" in row.reason, row.reason
+        assert svc.store.current() is None and not list((tmp_path / "state" / "staging").iterdir())
+    finally:
+        svc.shutdown()
+
+
+def test_a_registry_expert_fetched_again_before_its_fold_is_not_a_change(tmp_path):
+    """An expert with a registry version is identified by it: new files at its cache path (the
+    source fetched a damaged copy again) fold normally."""
+    bpath, (e0,) = _setup(tmp_path, 1)
+    svc = _service(tmp_path, bpath)
+    try:
+        svc.on_expert_ready(ExpertReady(source="folder", uri=str(e0), expert_id="m-v1", registry_key="m/1"))
+        tmp = e0.with_name(".again")
+        shutil.copy(e0, tmp)
+        os.replace(tmp, e0)  # the same bytes, another inode
+        assert svc.step()
+        row = svc.ledger.expert("m-v1")
+        assert row.status == "accepted" and row.sha256 == content_sha256(e0)
+    finally:
+        svc.shutdown()

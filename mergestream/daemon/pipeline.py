@@ -233,6 +233,10 @@ class Pipeline:
                                    expert_id=row.expert_id, tensor_hook=hook, objective=objective,
                                    expect_sha256=row.sha256 if checked else None, options=self.options())
 
+            # the files folded must not change under the fold (a rewrite in place of the original,
+            # which the kept hard link shares): its hash would name a mix of two contents
+            folded_key = arrival_key(src, within=Path(src).parent) if raw and arrival is not None else None
+
             if pol.strength.mode == "auto":  # one fold per candidate strength, the best kept (.strength)
                 rep, att.extra["strength"] = fold_at_best_strength(
                     pol, self.presteps.probe_objective(att.candidate_expert), fold_one, self.store.carry_state,
@@ -258,6 +262,8 @@ class Pipeline:
             return Outcome("failed", self._as_arrived(row, f"{type(exc).__name__}: {exc}"))
         if arrival is not None:  # what the fold read (RI folded its adapted copy: the original, read again)
             try:
+                if folded_key is not None and arrival_key(src, within=Path(src).parent) != folded_key:
+                    raise CheckpointError(f"expert {row.uri} changed while it was folded; nothing was published")
                 sha = rep.sha256[0] if raw else content_sha256(row.uri, within=arrived_in)
             except (CheckpointError, OSError) as exc:
                 return Outcome("rejected", self._as_arrived(row, f"{type(exc).__name__}: {exc}"), "validation")
@@ -281,12 +287,14 @@ class Pipeline:
         """Refuse an expert queued under its arrival key whose files changed since it arrived (a
         rewrite in place, a replacement): the content the fold would read is not what was queued
         (the new content is announced, and queued, by its source). A missing original is left to
-        the kept copy (a retried expert whose original is gone still folds).
+        the kept copy (a retried expert whose original is gone still folds). An expert with a
+        registry version is identified by it: its source may fetch its local copy again (a damaged
+        cache), so new files there are not a change.
 
         Raises:
             CheckpointError: the arrival key of ``row.uri`` is not the queued one.
         """
-        if not row.sha256.startswith(ARRIVAL_PREFIX) or not Path(row.uri).exists():
+        if not row.sha256.startswith(ARRIVAL_PREFIX) or row.registry_key or not Path(row.uri).exists():
             return
         if arrival_key(row.uri, within=arrived_in) != row.sha256[len(ARRIVAL_PREFIX):]:
             raise CheckpointError(f"expert {row.uri} changed since it was registered (its files' sizes, times "
