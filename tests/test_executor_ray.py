@@ -198,9 +198,11 @@ def test_a_task_that_keeps_failing_leaves_no_output_and_the_state_unchanged(clus
         raise RuntimeError("disk on fire")
 
     ex = make_executor("ray", group_bytes=GROUP, task_hook=fail, max_retries=2)
-    with pytest.raises(RuntimeError, match="disk on fire"):
+    with pytest.raises(RuntimeError, match="disk on fire") as err:
         engine.fold(bpath, out0, experts[1], "opcm", {"alpha": 0.5}, state_dir=state, out=tmp_path / "next",
                     expert_id="e1", options=ExecOptions(executor=ex))
+    # the task's own error, not Ray's wrapper whose text is the worker's traceback (the CLI prints it)
+    assert type(err.value) is RuntimeError and str(err.value) == "disk on fire"
     assert not (tmp_path / "next").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".next")], "a staging folder was left behind"
     assert _files(state) == before
@@ -345,6 +347,36 @@ def test_a_dead_cluster_address_is_refused_within_the_timeout(tmp_path, models):
     assert "Traceback" not in r.stderr
     assert took < 60
     assert not (tmp_path / "o").exists() and not (tmp_path / "s").exists()
+
+
+def test_an_address_where_something_else_listens_is_refused_in_seconds(cluster, tmp_path, models):
+    """A wrong port (here an HTTP server; the new-user trial pointed at the S3 server) is not a Ray
+    cluster: one line, exit 2, in seconds (Ray itself retried for over 10 minutes)."""
+    import http.server
+    import threading
+
+    from mergestream.engine.executors import ray_cluster
+
+    from .conftest import run_cli
+
+    bpath, experts = models
+    ray_cluster.check_reachable(ray.get_runtime_context().gcs_address, 5)  # a real cluster's GCS passes the probe
+    srv = http.server.ThreadingHTTPServer((LOOPBACK, 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    addr = f"{LOOPBACK}:{srv.server_address[1]}"
+    try:
+        t0 = time.monotonic()
+        r = run_cli("fold", "--base", str(bpath), "--expert", str(experts[0]), "--policy", "ties", "--state",
+                    str(tmp_path / "s"), "--out", str(tmp_path / "o"), "--executor", "ray", "--ray-address", addr,
+                    "-q", check=False, timeout=120)
+        took = time.monotonic() - t0
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and addr in lines[0] and "not a Ray cluster" in lines[0], r.stderr
+    assert took < 60 and not (tmp_path / "o").exists()
 
 
 def test_a_remembered_dead_cluster_is_refused(tmp_path, monkeypatch):

@@ -13,9 +13,11 @@ import pickle
 import signal
 import socket
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import ray
 
@@ -89,6 +91,20 @@ def group_target(total: int, cpus: int, group_bytes: int | None = None) -> int:
 IN_FLIGHT_PER_CPU = 2
 
 
+def _result(ref: Any) -> Any:
+    """``ray.get(ref)``, a task's own exception raised as itself: Ray wraps it in a ``RayTaskError``
+    whose text is the worker's whole traceback (one line of kilobytes in the CLI's error); that
+    traceback goes to the debug log instead."""
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as exc:
+        cause = getattr(exc, "cause", None)
+        if not isinstance(cause, Exception):
+            raise
+        log.debug("task failed in its worker:\n%s", exc)
+        raise cause from None
+
+
 class ClusterUnreachableError(MergestreamError):
     """The Ray cluster named (or remembered) does not answer within :data:`CONNECT_TIMEOUT` seconds."""
 
@@ -119,8 +135,20 @@ def resolve_address(address: str | None) -> str | None:
     return address
 
 
+#: what a gRPC server (Ray's GCS, its client server) answers first to an HTTP/2 connection:
+#: the client's connection preface is this string then a SETTINGS frame (RFC 9113 §3.4); the
+#: server's first frame is SETTINGS (frame type 4, the 4th byte of the 9-byte frame header)
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+_H2_SETTINGS = 4
+_CHOOSE = ("name another with --ray-address / executor.address (or RAY_ADDRESS), or leave it empty to start a "
+           "local instance")
+
+
 def check_reachable(address: str, timeout: float = CONNECT_TIMEOUT) -> None:
-    """Refuse an address nobody answers at, within ``timeout`` seconds (Ray itself retries for minutes).
+    """Refuse, within ``timeout`` seconds, an address nobody answers at and one where something
+    other than a gRPC server answers (a wrong port: Ray itself retries either for minutes, or for
+    ever). The check opens a TCP connection and sends HTTP/2's connection preface: a Ray cluster's
+    GCS answers with a SETTINGS frame; an HTTP/1 server, a database or silence does not.
 
     Raises:
         ClusterUnreachableError: one line naming the address and how to choose another.
@@ -128,14 +156,27 @@ def check_reachable(address: str, timeout: float = CONNECT_TIMEOUT) -> None:
     hp = _host_port(address)
     if hp is None:
         return  # Ray's own errors for what it does not parse
+    deadline = time.monotonic() + timeout
     try:
-        with socket.create_connection(hp, timeout=timeout):
-            pass
+        with socket.create_connection(hp, timeout=timeout) as conn:
+            conn.settimeout(max(0.1, deadline - time.monotonic()))
+            conn.sendall(_H2_PREFACE)
+            head = b""
+            while len(head) < 9:
+                chunk = conn.recv(9 - len(head))
+                if not chunk:
+                    break
+                head += chunk
+    except socket.timeout:
+        head = None
     except OSError as exc:
         raise ClusterUnreachableError(
-            f"the Ray cluster at {address} does not answer ({exc.strerror or exc}; waited at most {timeout:g} s): start it, "
-            "name another with --ray-address / executor.address (or RAY_ADDRESS), or leave it empty to "
-            "start a local instance") from None
+            f"the Ray cluster at {address} does not answer ({exc.strerror or exc}; waited at most {timeout:g} s): "
+            f"start it, {_CHOOSE}") from None
+    if head is None or len(head) < 9 or head[3] != _H2_SETTINGS:
+        what = "nothing came back" if not head else "it answered, but not as gRPC"
+        raise ClusterUnreachableError(
+            f"{address} is not a Ray cluster ({what} within {timeout:g} s: a wrong port?): {_CHOOSE}")
 
 
 class RayExecutor:
@@ -201,7 +242,12 @@ class RayExecutor:
                 hp = _host_port(address)
                 if hp is not None and hp[0] in ("127.0.0.1", "localhost", "::1"):
                     loopback_only()  # else Ray rewrites the loopback address into this machine's network one
-                ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
+                try:
+                    ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
+                except ConnectionError as exc:  # a gRPC server that is not (or not this version's) Ray
+                    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                    raise ClusterUnreachableError(f"cannot join the Ray cluster at {address} ({first}): "
+                                                  f"{_CHOOSE}") from None
             for sig, handler in saved.items():
                 if handler is not None:
                     signal.signal(sig, handler)
@@ -286,7 +332,7 @@ class RayExecutor:
 
         def drain_one() -> None:
             ref, group_names, nbytes = pending.popleft()
-            res: PartResult = ray.get(ref)
+            res: PartResult = _result(ref)
             self.received_bytes += len(pickle.dumps(res, protocol=pickle.HIGHEST_PROTOCOL))
             for stats, numel, nb in res.stats:
                 sinks.stats.add(stats, numel, nb)
