@@ -123,13 +123,17 @@ POLICIES: list[tuple[str, str, dict[str, Any]]] = [
     # the seed method merged isotropically (its masked, recovered updates summed, then Iso-C); ρ 0.3: the
     # merged update is dense anyway, the mask only filters (ρ 0.1 gave val H 82.1 at iso_alpha 2, ρ 0.3 82.8)
     ("safe_merge", "+iso", {**SAFE_DEFAULTS, "rho": 0.3, "iso_alpha": 2.0}),
+    # Iso-C whose folds change at most 20 % of each matrix's entries (the rest carried): small fleet patches
+    ("iso_c", "+budget", {"alpha": 1.5, "lambda": 0.2, "patch_budget": 0.2}),
+    # Iso-C with task-specific subspaces: the paper's/reference's defaults (alpha 1, 80 % common)
+    ("iso_cts", "", {"alpha": 1.0, "common_fraction": 0.8}),
 ]
 #: the coefficient --tune searches per policy (the last run's tuned values sit inside each grid)
 GRID = {"task_arithmetic": ("lambda", [0.1, 0.15, 0.2, 0.3, 0.5]), "ties": ("lambda", [0.5, 0.7, 1.0, 1.3]),
         "safe_merge": ("lambda", [0.2, 0.3, 0.5, 0.7]), "mdm_oc": ("alpha", [0.1, 0.15, 0.2, 0.3, 0.5]),
         "opcm": ("alpha", [0.3, 0.5, 0.7, 0.9]), "magmax": ("lambda", [0.15, 0.2, 0.3, 0.5, 0.7]),
         "dop": ("alpha", [0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 1.0]),  # 0.95 won at the old edge: up to α's bound
-        "iso_c": ("alpha", [1.0, 1.5, 2.0, 2.7, 3.5]),
+        "iso_c": ("alpha", [1.0, 1.5, 2.0, 2.7, 3.5]), "iso_cts": ("alpha", [0.7, 1.0, 1.3, 1.6, 2.0]),
         "safe_merge+iso": ("iso_alpha", [1.5, 2.0, 2.5, 3.0, 4.5])}  # a variant's own grid: tuned after its parent
 UAD_POLICIES = ("task_arithmetic", "mdm_oc")
 

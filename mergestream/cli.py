@@ -163,7 +163,7 @@ def _params_from_state(state_dir: str, policy: str, given: dict[str, Any]) -> di
 
     A state records every fold's parameters, so ``fold --state S`` without ``--set`` continues with
     the values the stream was started with instead of silently falling back to the policy's
-    defaults. Only the policy's own parameter names (and LiNeS's ``lines_*``) are taken; what is
+    defaults. Only the policy's own parameter names (and the wrappers' ``lines_*``, ``patch_budget``) are taken; what is
     taken is said on stderr. A first fold, or a state of another policy (refused by the fold), gets
     ``given`` unchanged.
     """
@@ -177,7 +177,7 @@ def _params_from_state(state_dir: str, policy: str, given: dict[str, Any]) -> di
         return given
     known = set(parameter_names(policy))
     kept = {k: v for k, v in man.folds[-1].params.items()
-            if (k in known or k.startswith("lines_")) and k not in given}
+            if (k in known or k.startswith("lines_") or k == "patch_budget") and k not in given}
     if kept:
         click.echo("parameters from the state's last fold: "
                    + ", ".join(f"{k}={v}" for k, v in sorted(kept.items())), err=True)

@@ -167,6 +167,7 @@ def _params_table(model: type[BaseModel]) -> list[str]:
 def policies_page() -> str:
     """``reference/policies.md``: the registry's policies, their parameters and their math."""
     from mergestream.policies import RECOMMENDED_PARAMS, RECOMMENDED_POLICY, REGISTRY
+    from mergestream.policies.budget import BudgetParams
     from mergestream.policies.lines import LinesParams
 
     out = ["# Policies and their parameters", "",
@@ -192,6 +193,10 @@ def policies_page() -> str:
     out += ["## LiNeS depth scaling (any policy)", "",
             "These parameters can be added to any policy's (`mergestream.policies.lines`):", ""]
     out += _params_table(LinesParams)
+    out += ["", "## Patch budget (any policy)", "",
+            "This parameter can be added to any policy's (`mergestream.policies.budget`); "
+            "[fleet updates](../fleet.md) says when to use it:", ""]
+    out += _params_table(BudgetParams)
     return "\n".join(out) + "\n"
 
 

@@ -16,6 +16,7 @@ from typing import Any
 from ..errors import PolicyError
 from ..recommended import RECOMMENDED_PARAMS, RECOMMENDED_POLICY  # torch-free home (the config reads it)
 from .base import Policy, PolicyParams, TensorContext, TensorFold
+from .budget import PatchBudget, split_budget_params, with_budget
 from .dop import Dop
 from .iso_c import IsoC
 from .iso_cts import IsoCts
@@ -35,7 +36,8 @@ REGISTRY: dict[str, type[Policy]] = {
 def make_policy(name: str, params: dict[str, Any] | None = None) -> Policy:
     """Instantiate a registered policy by name.
 
-    ``lines_*`` parameters (any policy) wrap it in LiNeS depth scaling (:mod:`.lines`).
+    ``lines_*`` parameters (any policy) wrap it in LiNeS depth scaling (:mod:`.lines`);
+    ``patch_budget`` (any policy) wraps that in a per-fold patch budget (:mod:`.budget`).
 
     Raises:
         PolicyError: unknown name or invalid parameters (each named, as the policy's
@@ -45,8 +47,9 @@ def make_policy(name: str, params: dict[str, Any] | None = None) -> Policy:
         raise PolicyError(f"unknown policy {name!r}; known: {', '.join(policy_names())}")
     if isinstance(params, PolicyParams):
         return REGISTRY[name](params)
-    own, lines = split_lines_params(params)
-    return with_lines(REGISTRY[name](own), lines)
+    own, budget = split_budget_params(params)
+    own, lines = split_lines_params(own)
+    return with_budget(with_lines(REGISTRY[name](own), lines), budget)
 
 
 def reference_params(name: str) -> dict[str, Any] | None:
@@ -118,4 +121,4 @@ def parameter_names(name: str) -> list[str]:
 __all__ = ["REGISTRY", "RECOMMENDED_POLICY", "RECOMMENDED_PARAMS", "Policy", "PolicyParams", "TensorContext",
            "TensorFold", "make_policy", "parameter_names", "policy_names", "reference_params", "cmaes_coefficients",
            "stability_penalty", "Dop", "IsoC", "Lines", "MdmOc", "Opcm", "SafeMerge", "MagMax", "TaskArithmetic", "Ties",
-           "IsoCts", "WeightAverage"]
+           "IsoCts", "WeightAverage", "PatchBudget"]
