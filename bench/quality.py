@@ -94,6 +94,7 @@ from mergestream.daemon.objective import ProbeObjective  # noqa: E402
 from mergestream.daemon.probes import SentenceSimilarityProbe, TaskProbeSpec  # noqa: E402
 from mergestream.engine import ExecOptions, fold, unmerge  # noqa: E402
 from mergestream.engine.coefficients import EntropyObjective  # noqa: E402
+from mergestream.io.st import WEIGHTS_HASH_VERSION  # noqa: E402
 from mergestream.patches.build import build_patch  # noqa: E402
 from mergestream.ri import RIParams, adapt_expert, load_feature_model  # noqa: E402
 
@@ -524,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
                                   log, cache=args.cache)
     expert_hashes = {t: expert_hash(experts[t]) for t in tasks}
     recipes = {t: X.read_expert(experts[t])["recipe"] for t in tasks}  # read once, saved after every run
-    check_resumed_experts(prev, expert_hashes)
+    check_resumed_experts(prev, experts)
     tdata = {t: X.load_task(t, data) for t in tasks}
     heads = {t: T.load_head(experts[t] / "head.safetensors", t) for t in tasks}
     rows = {t: X.subsample(tdata[t].test, args.eval_examples, seed=0) for t in tasks}
@@ -572,6 +573,7 @@ def main(argv: list[str] | None = None) -> int:
                                     "aux": "unlabeled train-split inputs of the tasks seen so far"},
                              "recipe": recipes,
                              "experts": {t: str(experts[t]) for t in tasks}, "expert_hashes": expert_hashes,
+                             "expert_hash_version": WEIGHTS_HASH_VERSION,
                              "torch_threads": torch.get_num_threads(), "fold_threads": fold_threads,
                              "args": protocol_args(args)},
                 "references": ref, "runs": runs, "skipped": skipped, "planned_runs": planned,

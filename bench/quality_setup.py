@@ -21,6 +21,7 @@ import yaml
 from mergestream import experts as X
 from mergestream.errors import MergestreamError
 from mergestream.io.checkpoints import open_checkpoint
+from mergestream.io.st import WEIGHTS_HASH_VERSION
 from mergestream.policies import make_policy
 
 #: where the checked-in results live; written only when ``--out`` names it
@@ -272,17 +273,21 @@ def load_resume(out: Path, args: Any, defaults: dict[str, Any] | None = None) ->
     return doc
 
 
-def check_resumed_experts(prev: dict[str, Any] | None, hashes: dict[str, str]) -> None:
-    """A resumed run must fold the very experts of its earlier pieces: their content hashes (the
-    weights hash of :meth:`mergestream.io.checkpoints.Checkpoint.sha256`) must equal the recorded ones.
-    A run that recorded none (older pieces) is not checked.
+def check_resumed_experts(prev: dict[str, Any] | None, experts: dict[str, Path]) -> None:
+    """A resumed run must fold the very experts of its earlier pieces: their content hashes must equal
+    the recorded ones, computed with the weights-hash definition the record used
+    (``protocol.expert_hash_version``; a record without it is version 1, from before the per-tensor
+    definition). A run that recorded no hashes (older pieces) is not checked.
 
     Raises:
         BenchInputError: an expert differs (e.g. the expert cache was lost and the expert retrained).
     """
-    had = (prev or {}).get("protocol", {}).get("expert_hashes")
+    proto = (prev or {}).get("protocol", {})
+    had = proto.get("expert_hashes")
     if not had:
         return
+    version = int(proto.get("expert_hash_version", 1))
+    hashes = {t: expert_hash(folder, version) for t, folder in experts.items()}
     diff = sorted(t for t in set(had) | set(hashes) if had.get(t) != hashes.get(t))
     if diff:
         raise BenchInputError("the experts differ from the run being resumed (retrained or another cache?): "
@@ -322,7 +327,8 @@ def stale_grid(entry: dict[str, Any], grid: list[float], pol: str, runs: list[di
     return True
 
 
-def expert_hash(folder: Path) -> str:
-    """An expert's content hash (the weights hash every mergestream ledger uses)."""
+def expert_hash(folder: Path, version: int = WEIGHTS_HASH_VERSION) -> str:
+    """An expert's content hash: the weights hash every mergestream ledger uses, in its current
+    definition (or ``version`` 1 to verify an older record)."""
     with open_checkpoint(folder) as ck:
-        return ck.sha256()
+        return ck.sha256(version)

@@ -297,13 +297,31 @@ def test_resume_keeps_earlier_pieces_only_for_the_same_protocol(tmp_path):
         S.load_resume(tmp_path, args)
 
 
-def test_a_resumed_run_refuses_experts_that_differ_from_its_earlier_pieces():
-    prev = {"protocol": {"expert_hashes": {"sst2": "a" * 64, "trec": "b" * 64}}}
-    S.check_resumed_experts(prev, {"sst2": "a" * 64, "trec": "b" * 64})
-    S.check_resumed_experts(None, {"sst2": "c" * 64})  # a fresh start
-    S.check_resumed_experts({"protocol": {}}, {"sst2": "c" * 64})  # pieces that recorded none
-    with pytest.raises(S.BenchInputError, match="trec bbbbbbbbbbbb -> cccccccccccc"):
-        S.check_resumed_experts(prev, {"sst2": "a" * 64, "trec": "c" * 64})
+def test_a_resumed_run_refuses_experts_that_differ_from_its_earlier_pieces(tmp_path):
+    """Real expert files, hashed with the definition the record used: a record from before the per-tensor
+    weights hash (no ``expert_hash_version``) is checked with version 1, a new one with its version."""
+    import torch
+
+    from .conftest import save_tensors
+
+    folders = {}
+    for i, t in enumerate(("sst2", "trec", "other")):
+        folders[t] = tmp_path / t
+        folders[t].mkdir()
+        save_tensors(folders[t] / "model.safetensors", {"w": torch.full((3, 2), float(i)), "b": torch.ones(2)})
+    experts = {"sst2": folders["sst2"], "trec": folders["trec"]}
+    v1 = {t: S.expert_hash(f, 1) for t, f in experts.items()}
+    v2 = {t: S.expert_hash(f) for t, f in experts.items()}
+    assert v1 != v2
+    S.check_resumed_experts({"protocol": {"expert_hashes": v1}}, experts)  # an old record: version 1
+    S.check_resumed_experts({"protocol": {"expert_hashes": v2, "expert_hash_version": 2}}, experts)
+    S.check_resumed_experts(None, experts)  # a fresh start
+    S.check_resumed_experts({"protocol": {}}, experts)  # pieces that recorded none
+    with pytest.raises(S.BenchInputError, match=f"trec {v2['trec'][:12]} -> "):
+        S.check_resumed_experts({"protocol": {"expert_hashes": v2, "expert_hash_version": 2}},
+                                {"sst2": folders["sst2"], "trec": folders["other"]})
+    with pytest.raises(S.BenchInputError, match="sst2"):  # v2 hashes recorded without their version
+        S.check_resumed_experts({"protocol": {"expert_hashes": v2}}, experts)
 
 
 def test_a_changed_grid_is_tuned_again_unless_runs_used_the_old_value():
