@@ -19,17 +19,9 @@ from mergestream.policies import make_policy
 from mergestream.policies.budget import PatchBudget
 
 from .conftest import perturb, run_cli, save_tensors
-from .test_lines import _chain, _model
+from .test_lines import _chain, _model, models  # noqa: F401  (the fixture)
 
 SAFE = {"steps": 3, "k": 4, "k_s": 4, "rank": 2, "k_old": 4}
-
-
-@pytest.fixture
-def models(tmp_path):
-    base = _model()
-    bpath = save_tensors(tmp_path / "b.safetensors", base)
-    experts = [save_tensors(tmp_path / f"e{i}.safetensors", perturb(base, 0.05, 10 + i)) for i in range(4)]
-    return base, bpath, experts
 
 
 def _folds(tmp_path, tag, bpath, experts, policy, params):

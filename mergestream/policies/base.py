@@ -266,3 +266,47 @@ class Policy:
     def rebuild(self, base: Tensor, state: TensorState, coefficients: list[float]) -> Tensor | None:
         """θ = θ₀ + Σ cᵢ dᵢ from state for policies that support re-weighting (else None)."""
         return None
+
+
+class Wrapper(Policy):
+    """Base of a policy wrapped around another (LiNeS, the patch budget): the wrapper's own parameters
+    in ``self.own`` (a pydantic model), ``name``, parameters and coefficient are the inner policy's
+    (the state and manifest belong to it)."""
+
+    Own: ClassVar[type[PolicyParams]] = PolicyParams
+    #: how errors name the wrapper ("with LiNeS", "with a patch budget")
+    label: ClassVar[str] = ""
+
+    def __init__(self, inner: Policy, params: dict[str, Any] | PolicyParams):
+        """Raises:
+            PolicyError: a wrapper parameter unknown, missing or out of range (each named)."""
+        self.inner = inner
+        if isinstance(params, self.Own):
+            self.own = params
+        else:
+            try:
+                self.own = self.Own(**params)
+            except PydanticValidationError as exc:
+                errs = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+                raise PolicyError(f"policy {inner.name} {self.label}: bad parameters: {errs}") from None
+        self.name = inner.name  # type: ignore[misc]
+        self.Params = inner.Params  # type: ignore[misc]
+        self.params = inner.params
+        self.coefficient_param = inner.coefficient_param  # type: ignore[misc]
+
+    def describe(self) -> dict[str, Any]:
+        """The inner policy's parameters plus the wrapper's own."""
+        return {**self.inner.describe(), **self.own.model_dump()}
+
+    def coefficient(self) -> float | None:
+        """The inner policy's recorded coefficient."""
+        return self.inner.coefficient()
+
+    def strength(self) -> tuple[str, tuple[float, ...]] | None:
+        """The inner policy's strength parameter and grid."""
+        return self.inner.strength()
+
+    def refold_params(self, coefficient: float | None) -> dict[str, Any]:
+        """The inner policy's replay parameters, with the same wrapper parameters."""
+        return {**self.inner.refold_params(coefficient), **self.own.model_dump()}
+

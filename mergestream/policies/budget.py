@@ -38,10 +38,9 @@ from typing import Any
 
 import torch
 from pydantic import Field
-from pydantic import ValidationError as PydanticValidationError
 
 from ..errors import PolicyError
-from .base import Policy, PolicyParams, Tensor, TensorContext, TensorFold, TensorState
+from .base import Policy, PolicyParams, Tensor, TensorContext, TensorFold, TensorState, Wrapper
 from .iso_c import state_dtype
 from .masks import top_mask
 
@@ -53,24 +52,16 @@ class BudgetParams(PolicyParams):
                                                         "(0 < ρ ≤ 1; the rest is carried to later folds)")
 
 
-class PatchBudget(Policy):
+class PatchBudget(Wrapper):
     """Any policy with a per-fold patch budget; see the module docstring. ``name``, parameters and
     capabilities are the inner policy's (``describe`` adds ``patch_budget``)."""
 
+    Own = BudgetParams
+    label = "with a patch budget"
+
     def __init__(self, inner: Policy, params: dict[str, Any] | BudgetParams):
-        self.inner = inner
-        if isinstance(params, BudgetParams):
-            self.budget = params
-        else:
-            try:
-                self.budget = BudgetParams(**params)
-            except PydanticValidationError as exc:
-                errs = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-                raise PolicyError(f"policy {inner.name} with a patch budget: bad parameters: {errs}") from None
-        self.name = inner.name  # type: ignore[misc]  # the state and manifest belong to the inner policy
-        self.Params = inner.Params  # type: ignore[misc]
-        self.params = inner.params
-        self.coefficient_param = inner.coefficient_param  # type: ignore[misc]
+        super().__init__(inner, params)
+        self.budget: BudgetParams = self.own  # type: ignore[assignment]
         if self.is_identity():
             self.contributions_in_state = inner.contributions_in_state  # type: ignore[misc]
             self.subtract_unmerge = inner.subtract_unmerge  # type: ignore[misc]
@@ -87,14 +78,6 @@ class PatchBudget(Policy):
     def is_identity(self) -> bool:
         """ρ = 1: every fold is the inner policy's, byte for byte."""
         return self.budget.patch_budget >= 1.0
-
-    def describe(self) -> dict[str, Any]:
-        """The inner policy's parameters plus ``patch_budget``."""
-        return {**self.inner.describe(), **self.budget.model_dump()}
-
-    def coefficient(self) -> float | None:
-        """The inner policy's recorded coefficient."""
-        return self.inner.coefficient()
 
     def linear_scale(self) -> float | None:
         """The inner λ only at ρ = 1 (otherwise the fold depends on the carried residual)."""
@@ -115,14 +98,6 @@ class PatchBudget(Policy):
     def finish_scale(self, partials) -> float:
         """The inner policy's (only reached at ρ = 1)."""
         return self.inner.finish_scale(partials)
-
-    def strength(self) -> tuple[str, tuple[float, ...]] | None:
-        """The inner policy's strength parameter and grid."""
-        return self.inner.strength()
-
-    def refold_params(self, coefficient: float | None) -> dict[str, Any]:
-        """The inner policy's replay parameters, with the same budget."""
-        return {**self.inner.refold_params(coefficient), **self.budget.model_dump()}
 
     def fold_tensor(self, base: Tensor, backbone: Tensor, tau: Tensor, state: TensorState,
                     ctx: TensorContext) -> TensorFold:

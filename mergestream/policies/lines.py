@@ -35,10 +35,9 @@ from typing import Any
 
 import torch
 from pydantic import Field
-from pydantic import ValidationError as PydanticValidationError
 
 from ..errors import PolicyError
-from .base import Policy, PolicyParams, Tensor, TensorContext, TensorFold, TensorState
+from .base import Policy, PolicyParams, Tensor, TensorContext, TensorFold, TensorState, Wrapper
 
 _LAYER = re.compile(r"(?:^|\.)(?:layers?|h|blocks?)\.(\d+)(?:\.|$)")
 _KEY = "lines_scale"
@@ -86,24 +85,16 @@ def _strip(state: TensorState) -> tuple[TensorState, float]:
     return {k: v for k, v in state.items() if k != _KEY}, float(state[_KEY][0])
 
 
-class Lines(Policy):
+class Lines(Wrapper):
     """Any policy with LiNeS scaling; see the module docstring. ``name``, parameters and
     capabilities are the inner policy's (``describe`` adds the ``lines_*`` keys)."""
 
+    Own = LinesParams
+    label = "with LiNeS"
+
     def __init__(self, inner: Policy, params: dict[str, Any] | LinesParams):
-        self.inner = inner
-        if isinstance(params, LinesParams):
-            self.lines = params
-        else:
-            try:
-                self.lines = LinesParams(**params)
-            except PydanticValidationError as exc:
-                errs = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-                raise PolicyError(f"policy {inner.name} with LiNeS: bad parameters: {errs}") from None
-        self.name = inner.name  # type: ignore[misc]  # the state and manifest belong to the inner policy
-        self.Params = inner.Params  # type: ignore[misc]
-        self.params = inner.params
-        self.coefficient_param = inner.coefficient_param  # type: ignore[misc]
+        super().__init__(inner, params)
+        self.lines: LinesParams = self.own  # type: ignore[assignment]
         self.contributions_in_state = inner.contributions_in_state  # type: ignore[misc]
         self.subtract_unmerge = inner.subtract_unmerge  # type: ignore[misc]
         if inner.scales_globally():
@@ -113,14 +104,6 @@ class Lines(Policy):
         """λ = 1 for every tensor (α = 1, β = 0)."""
         return self.lines.lines_alpha == 1.0 and self.lines.lines_beta == 0.0
 
-    def describe(self) -> dict[str, Any]:
-        """The inner policy's parameters plus ``lines_alpha``, ``lines_beta``, ``lines_layers``."""
-        return {**self.inner.describe(), **self.lines.model_dump()}
-
-    def coefficient(self) -> float | None:
-        """The inner policy's recorded coefficient."""
-        return self.inner.coefficient()
-
     def linear_scale(self) -> float | None:
         """The inner λ only when LiNeS is the identity (otherwise the scale varies per tensor)."""
         return self.inner.linear_scale() if self.is_identity() else None
@@ -128,14 +111,6 @@ class Lines(Policy):
     def searches_coefficients(self) -> bool:
         """The inner policy's capability (CMA-ES rebuilds go through :meth:`rebuild`, scaled)."""
         return self.inner.searches_coefficients()
-
-    def strength(self) -> tuple[str, tuple[float, ...]] | None:
-        """The inner policy's strength parameter and grid (LiNeS scales it per depth)."""
-        return self.inner.strength()
-
-    def refold_params(self, coefficient: float | None) -> dict[str, Any]:
-        """The inner policy's replay parameters, with the same LiNeS parameters."""
-        return {**self.inner.refold_params(coefficient), **self.lines.model_dump()}
 
     def fold_tensor(self, base: Tensor, backbone: Tensor, tau: Tensor, state: TensorState,
                     ctx: TensorContext) -> TensorFold:
