@@ -401,8 +401,8 @@ def test_a_remembered_dead_cluster_is_refused(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize(("policy", "params"), [("opcm", {"alpha": 0.5, "scope": "global"}),
                                                 ("opcm", {"alpha": 0.5, **{"zero_diagonal": True, "rank": "above"}}),
-                                                ("iso_c", {}), ("iso_cts", {})],
-                         ids=["opcm-global", "opcm-reference-projection", "iso_c", "iso_cts"])
+                                                ("iso_c", {}), ("iso_cts", {}), ("iso_c", {"patch_budget": 0.3})],
+                         ids=["opcm-global", "opcm-reference-projection", "iso_c", "iso_cts", "iso_c-patch-budget"])
 def test_reference_modes_with_a_global_reduction_fold_the_same_on_ray(cluster, models, tmp_path, policy, params):
     """OPCM's whole-model rescale (scope=global): the tasks write the per-tensor state and return its
     partial sums, the driver finishes λ_t, and tasks write θ₀ + λ_t M_t — the driver opens no piece
