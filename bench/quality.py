@@ -482,6 +482,33 @@ def build_experts(tasks, data: Path, over: dict[str, Any], lpft: str, val: dict[
     return experts, decisions
 
 
+def ri_rows(wanted: list[str], runs: list[dict[str, Any]], pols: list[tuple[str, str, dict[str, Any]]],
+            log=lambda m: None) -> list[tuple[str, str, dict[str, Any]]]:
+    """The +ri rows to run, each once, in the order of ``--ri-policies``.
+
+    ``best`` names the best other plain policy by H on the file order (not Task Arithmetic or TIES,
+    which have rows of their own) among ``runs`` so far, and is dropped while none has run; a name
+    that is no row in ``pols`` is dropped; a row named twice (``best`` resolving to a listed policy)
+    runs once.
+
+    Returns:
+        (policy, variant + "+ri", params) per row.
+    """
+    rows: list[tuple[str, str, dict[str, Any]]] = []
+    for name in wanted:
+        if name == "best":
+            cands = [r for r in runs if r["order_seed"] is None and not r["variant"]
+                     and r["policy"] not in ("task_arithmetic", "ties")]
+            if not cands:
+                continue
+            name = max(cands, key=lambda r: r["final"]["H"])["policy"]
+            log(f"best other policy by H on the file order: {name}")
+        src = next((p for p in pols if p[0] + p[1] == name), None)  # a policy or a variant label
+        if src is not None and all(r[0] + r[1] != src[0] + src[1] + "+ri" for r in rows):
+            rows.append((src[0], src[1] + "+ri", dict(src[2])))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     X._offline()
@@ -645,25 +672,17 @@ def main(argv: list[str] | None = None) -> int:
 
     save_outputs(document(), out)  # the references and the plan, before the first run
     # every policy on the file order first, then the shuffles (an interrupted run keeps the former)
+    def order_rows():
+        """An order's rows: the plain ones, then the +ri ones. The file order runs first, so "best"
+        (the best other policy by H on the file order) is known when its +ri rows are reached."""
+        for row in pols:
+            yield (*row, False)
+        for row in ri_rows(ri_wanted, runs, pols, log):
+            yield (*row, True)
+
     for seed, order in rng_orders:
-        # +ri rows come after the plain rows of each order; the file order runs first, so "best"
-        # (the best other policy by H on the file order) is known when its +ri row is reached
-        order_pols = list(pols) + [("__ri__", n, {}) for n in ri_wanted]
-        for pol, var, params in order_pols:
-            use_ri = pol == "__ri__"
+        for pol, var, params, use_ri in order_rows():
             if use_ri:
-                name = var
-                if name == "best":
-                    cands = [r for r in runs if r["order_seed"] is None and not r["variant"]
-                             and r["policy"] not in ("task_arithmetic", "ties")]
-                    if not cands:
-                        continue
-                    name = max(cands, key=lambda r: r["final"]["H"])["policy"]
-                    log(f"best other policy by H on the file order: {name}")
-                src = next((p for p in pols if p[0] + p[1] == name), None)  # a policy or a variant label
-                if src is None:
-                    continue
-                pol, var, params = src[0], src[1] + "+ri", dict(src[2])
                 if [pol + var, seed] not in planned:
                     planned.append([pol + var, seed])
                 if shuffle_labels is not None and seed is not None and pol + var not in shuffle_labels:
@@ -698,6 +717,7 @@ def main(argv: list[str] | None = None) -> int:
             f = run["final"]
             log(f"  final ACC {f['ACC']:.1f} normACC {f['norm_ACC']:.1f} BWT {f['BWT']:.1f} (ref {f.get('BWT_ref', float('nan')):.1f}) G {f['G']:.2f} H {f['H']:.1f}")
             runs.append(run)
+            done.add((pol + var, seed))
             # JSON first, after every run (an interrupted benchmark keeps its results), plots last
             save_outputs(document(), out)
     log(f"done in {time.perf_counter() - t_start:.0f}s: {out / 'quality.md'}")

@@ -139,10 +139,7 @@ def plot_patch(doc: dict[str, Any], out: Path, default: str | None) -> Path | No
     families = list(dict.fromkeys(r["policy"] for r in doc["runs"]))
     colour = {p: _COLOURS[i % len(_COLOURS)] for i, p in enumerate(families)}
     family = {_label(r): r["policy"] for r in doc["runs"]}
-    # labelled: the curves' rows, every family's plain row, and a variant that needs no data and
-    # beats its plain row by 0.5 H or more (safe_merge+iso)
-    show = set(highlighted(doc, default)) | {n for n in ratio if n in families}
-    show |= {n for n in ratio if not n.endswith(NEEDS_DATA) and family[n] in h and h[n] >= h[family[n]] + 0.5}
+    show = patch_labels(doc, ratio, default)
     span = max(h.values()) - min(h.values())
     fig, axes = plt.subplots(1, 2, figsize=(14, 5.6), sharey=True)
     for k, (ax, title) in enumerate(zip(axes, ("patch format 1", "patch format 2 + zstd"))):
@@ -168,7 +165,8 @@ def plot_patch(doc: dict[str, Any], out: Path, default: str | None) -> Path | No
     handles = [plt.Line2D([], [], ls="", marker="o", color=colour[p], label=p) for p in families]
     handles += [plt.Line2D([], [], ls="", marker="^", color="0.4", label="needs data (+ri, +cmaes, +adamerging)"),
                 plt.Line2D([], [], ls="", marker="o", color="w", markeredgecolor="k",
-                           label="labelled: each policy, the default,\nthe best row of each family"),
+                           label="labelled: each policy, the default,\nthe best row of each family,\n"
+                                 "the best H at its patch size or less (v2)"),
                 plt.Line2D([], [], color="k", ls=":", lw=0.8, label="a full download")]
     fig.legend(handles=handles, loc="upper left", bbox_to_anchor=(0.91, 0.9), fontsize=8, frameon=False,
                title="policy family", title_fontsize=8)
@@ -177,6 +175,34 @@ def plot_patch(doc: dict[str, Any], out: Path, default: str | None) -> Path | No
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
+
+
+#: patch/model sizes closer than this count as the same size on the front (the SAFE-Merge rows all
+#: send 0.104 of the model: only the best of them is on it)
+FRONT_TOLERANCE = 0.01
+
+
+def patch_labels(doc: dict[str, Any], ratio: dict[str, tuple[float | None, float | None]],
+                 default: str | None) -> set[str]:
+    """The rows ``quality_patch.png`` labels: the curves' rows (:func:`highlighted`), every family's
+    plain row, a variant that needs no data and beats its plain row by 0.5 H or more
+    (safe_merge+iso), and the front of H against patch size in format 2: each row no other row beats
+    in H with a patch as small or smaller (within :data:`FRONT_TOLERANCE`; the best a fleet gets for
+    its bytes), among all rows and among the rows that need no data.
+
+    Args:
+        ratio: label -> (patch/model in format 1, in format 2 + zstd), None where not recorded.
+    """
+    h = mean_h(doc)
+    families = {r["policy"] for r in doc["runs"]}
+    family = {_label(r): r["policy"] for r in doc["runs"]}
+    show = set(highlighted(doc, default)) | {n for n in ratio if n in families}
+    show |= {n for n in ratio if not n.endswith(NEEDS_DATA) and family[n] in h and h[n] >= h[family[n]] + 0.5}
+    v2 = {n: x[1] for n, x in ratio.items() if x[1] is not None}
+    free = {n for n in v2 if not n.endswith(NEEDS_DATA)}
+    for rows in (v2, free):  # the front of every row, and of the rows that need no data
+        show |= {n for n in rows if not any(v2[m] <= v2[n] + FRONT_TOLERANCE and h[m] > h[n] for m in rows)}
+    return show
 
 
 def _place(boxes: list[tuple[float, float, float]], x: float, y: float, width: float,

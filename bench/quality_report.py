@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from mergestream.policies import REGISTRY
+
 log = logging.getLogger(__name__)
 
 
@@ -38,9 +40,10 @@ _NEEDS_DATA = ("+ri", "+cmaes", "+adamerging")
 
 def recommended_row(doc: dict[str, Any]) -> dict[str, Any] | None:
     """The row ``mergestream init`` and the demo should default to: among rows that need no data
-    (no RI, no coefficient search) and have every order of the protocol (file order + each shuffle)
-    finished, the one with the best mean H over the orders. None until such rows exist in a finished
-    benchmark (every planned run done).
+    (no RI, no coefficient search), whose policy's state does not grow with the stream
+    (``Policy.state_grows``: a daemon is left running on an open-ended stream) and that have every
+    order of the protocol (file order + each shuffle) finished, the one with the best mean H over
+    the orders. None until such rows exist in a finished benchmark (every planned run done).
 
     Returns:
         {"label", "policy", "params", "H", "orders"}.
@@ -51,7 +54,7 @@ def recommended_row(doc: dict[str, Any]) -> dict[str, Any] | None:
     orders = {None, *range(doc["protocol"]["shuffles"])}
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in doc["runs"]:
-        if not r["variant"].endswith(_NEEDS_DATA):
+        if not r["variant"].endswith(_NEEDS_DATA) and not REGISTRY[r["policy"]].state_grows:
             groups.setdefault(label(r), []).append(r)
     full = {n: rs for n, rs in groups.items() if {r["order_seed"] for r in rs} == orders}
     if not full:
@@ -252,7 +255,8 @@ def write_md(doc: dict[str, Any], path: Path) -> None:
     if rec is not None:
         lines += ["", f"Recommended default (`mergestream init`, the demo): **{rec['label']}** "
                   f"({', '.join(f'{k}={v}' for k, v in rec['params'].items())}), mean H {rec['H']:.1f} over "
-                  f"{rec['orders']} orders — the best row that needs no data (no RI, no coefficient search)."]
+                  f"{rec['orders']} orders — the best row that needs no data (no RI, no coefficient search) and "
+                  f"whose state does not grow with the stream (not {', '.join(sorted(n for n, c in REGISTRY.items() if c.state_grows))})."]
     if doc.get("skipped"):
         lines += ["", "Not run: " + "; ".join(doc["skipped"])]
     lines += ["", "## File order, per fold (ACC over the tasks seen so far / G / H)", ""]

@@ -444,3 +444,46 @@ def test_heldout_split_and_report_without_models(tmp_path):
     assert "| iso_c | auto | x 2 → 3.5 | 74.5 | 74.50 | 74.50 | -1.0 | +0.50 |" in md
     assert "| visible-tuned | iso_c 80.00 | task_arithmetic 76.00, iso_c 75.00 |" in md and "Reduced: file order only" in md
     assert "POLICIES (iso_c {'x': 2.0}; task_arithmetic {'x': 0.3})" in md
+
+
+def test_ri_rows_run_each_row_once_and_best_waits_for_the_file_order():
+    """`--ri-policies best,iso_cts` where the best plain row is iso_cts planned and ran its +ri rows
+    twice (the benchmark of 2026-12-06: 116 runs for 112 planned)."""
+    pols = [("task_arithmetic", "", {"lambda": 0.2}), ("iso_c", "", {"alpha": 2.0}),
+            ("iso_cts", "", {"alpha": 2.0}), ("iso_c", "+budget", {"patch_budget": 0.2})]
+    wanted = ["task_arithmetic", "best", "iso_cts", "iso_c+budget", "nosuch"]
+    assert quality.ri_rows(wanted, [], pols) == [("task_arithmetic", "+ri", {"lambda": 0.2}),
+                                                 ("iso_cts", "+ri", {"alpha": 2.0}),
+                                                 ("iso_c", "+budget+ri", {"patch_budget": 0.2})]
+
+    def run(policy, h, seed=None, variant=""):
+        return {"policy": policy, "variant": variant, "order_seed": seed, "final": {"H": h}}
+    runs = [run("task_arithmetic", 90.0), run("iso_c", 79.7), run("iso_cts", 79.9), run("iso_c", 85.0, seed=0),
+            run("iso_c", 99.0, variant="+budget")]
+    rows = quality.ri_rows(wanted, runs, pols)
+    assert [p + v for p, v, _ in rows] == ["task_arithmetic+ri", "iso_cts+ri", "iso_c+budget+ri"]
+    runs.append(run("iso_c", 80.5))  # best is now iso_c: a row of its own, ahead of the listed ones
+    rows = quality.ri_rows(wanted, runs, pols)
+    assert [p + v for p, v, _ in rows] == ["task_arithmetic+ri", "iso_c+ri", "iso_cts+ri", "iso_c+budget+ri"]
+    rows[1][2]["alpha"] = 9.0
+    assert pols[1][2]["alpha"] == 2.0  # each row gets its own params
+
+
+def test_patch_plot_labels_the_front_of_quality_against_patch_size():
+    """A row no other row beats in H at its patch size or less is labelled even when it is no
+    family's best (iso_c+budget at a fifth of the bytes, 0.3 H under Iso-C: unlabelled before)."""
+    import quality_plots as P
+
+    doc = _family_doc()
+    ratio = {P._label(r): (r["final"]["patch_ratio_mean"], r["final"]["patch_ratio_v2_mean"]) for r in doc["runs"]}
+    ratio |= {"iso_c+budget": (0.04, 0.02), "safe_merge+lines": (0.9, 0.5), "opcm+lines": (0.9, None),
+              "iso_c+budget+ri": (0.04, 0.021), "iso_c+lines": (0.9, 0.045)}
+    rows = (("iso_c+budget", 79.4), ("safe_merge+lines", 76.0), ("opcm+lines", 90.0), ("iso_c+budget+ri", 80.0),
+            ("iso_c+lines", 79.5))  # iso_c's size (0.05) within the tolerance, 0.1 H worse: not on it
+    for label, h in rows:
+        policy, _, variant = label.partition("+")
+        doc["runs"].append({"policy": policy, "variant": "+" + variant, "order_seed": None, "final": {"H": h}})
+    show = P.patch_labels(doc, ratio, "iso_c")
+    assert "iso_c+budget" in show and "safe_merge+lines" not in show and "iso_c+lines" not in show
+    assert "iso_c+budget+ri" in show  # the front of every row; iso_c+budget is on the data-free one
+    assert {"iso_c", "safe_merge", "ties", "dop+lines", "opcm+lines"} <= show  # plain rows, family bests

@@ -78,6 +78,19 @@ def test_recommended_row_is_the_best_data_free_row_once_every_planned_run_is_don
     assert R.recommended_row(doc) is None
 
 
+@pytest.mark.parametrize("policy", ["iso_cts", "mdm_oc"])
+def test_a_policy_whose_state_grows_with_the_stream_is_never_the_recommendation(policy):
+    """Iso-CTS keeps every expert's τ, MDM-OC every expert's direction: a fold's memory and time
+    grow with the stream, which a daemon left running must not. The benchmark of 2026-12-06 found
+    Iso-CTS 0.2 H above Iso-C at 18x the fold time (20.2 s against 1.1 s at 8 experts)."""
+    assert R.REGISTRY[policy].state_grows and not R.REGISTRY["iso_c"].state_grows
+    runs = [_run("iso_c", "", s, 79.7) for s in (None, 0)] + [_run(policy, v, s, 79.9) for s in (None, 0)
+                                                             for v in ("", "+lines")]
+    doc = {"protocol": {"shuffles": 1}, "runs": runs, "planned_runs": [[R.label(r), r["order_seed"]] for r in runs]}
+    assert R.recommended_row(doc)["label"] == "iso_c"
+    assert make_policy(policy).state_grows and make_policy(policy, {"lines_alpha": 0.5}).state_grows
+
+
 def test_the_recommendation_matches_the_checked_in_benchmark():
     path = BENCH / "results" / "quality.json"
     rec = R.recommended_row(json.loads(path.read_text())) if path.exists() else None

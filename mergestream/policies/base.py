@@ -126,6 +126,10 @@ class Policy:
     #: tunes on); None for a policy without one (weight averaging). Ask an instance: :meth:`strength`.
     strength_param: ClassVar[str | None] = None
     strength_grid: ClassVar[tuple[float, ...]] = ()
+    #: True when the state keeps something per expert folded (MDM-OC's directions, Iso-CTS's task
+    #: vectors), so a fold's memory, state on disk and time grow with the length of the stream;
+    #: such a policy is never the recommended default of a daemon left running (bench/quality_report.py)
+    state_grows: ClassVar[bool] = False
 
     def __init__(self, params: dict[str, Any] | PolicyParams | None = None):
         if isinstance(params, PolicyParams):
@@ -293,6 +297,7 @@ class Wrapper(Policy):
         self.Params = inner.Params  # type: ignore[misc]
         self.params = inner.params
         self.coefficient_param = inner.coefficient_param  # type: ignore[misc]
+        self.state_grows = inner.state_grows  # type: ignore[misc]
 
     def describe(self) -> dict[str, Any]:
         """The inner policy's parameters plus the wrapper's own."""

@@ -92,6 +92,7 @@ class IsoCts(Policy):
     """Iso-CTS (Marczak et al., ICML 2025, §4.2); see the module docstring."""
 
     name = "iso_cts"
+    state_grows = True
     strength_param = "alpha"
     strength_grid = (0.7, 1.0, 1.3, 1.6, 2.0)
     Params = IsoCtsParams

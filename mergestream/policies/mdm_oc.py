@@ -136,6 +136,7 @@ class MdmOc(Policy):
     Params = MdmOcParams
     coefficient_param = "alpha"
     contributions_in_state = True
+    state_grows = True
 
     def searches_coefficients(self) -> str | None:
         """Which search the engine runs after the fold pass (truthy), or None for fixed α:
