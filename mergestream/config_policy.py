@@ -123,8 +123,8 @@ class PolicyConfig(_Section):
     @model_validator(mode="after")
     def _unmerge_mode_fits(self) -> PolicyConfig:
         if _CHECK_POLICY.get() and self.unmerge_mode == "subtract" and not self.make().subtract_unmerge:
-            raise ValueError(f"policy {self.name} cannot unmerge by subtract (its state folds the experts "
-                             "together): set policy.unmerge_mode: replay")
+            raise ValueError(f"policy {self.name} cannot unmerge by subtract ({self.make().no_subtract_reason}): "
+                             "set policy.unmerge_mode: replay")
         return self
 
     @field_validator("preprocess")

@@ -31,6 +31,10 @@ base: {base}
   name: {policy}
   params: {params}
   unmerge_mode: {unmerge_mode}{pad}# how `mergestream unmerge EXPERT` removes an expert: subtract | replay
+  # Any policy also takes, beside its own params (docs/policies.md):
+  #   patch_budget: 0.2          # each fold changes at most 20% of every matrix (small fleet patches);
+  #                              # the rest is sent at later folds; unmerge then replays
+  #   lines_alpha: 0.5           # LiNeS: shallow blocks stay nearer θ₀ (with lines_beta)
   # Data-driven extras (docs/data-driven.md):
   # preprocess: [ri]            # RI pre-step: adapt each expert (that ships a task head) on unlabeled data;
   #                            # the benchmark's best row is the recommended policy plus this step

@@ -13,6 +13,7 @@ import torch
 from mergestream import engine
 from mergestream.errors import PolicyError, StateError
 from mergestream.io.checkpoints import read_state_dict
+from mergestream.io.model_card import provenance_of
 from mergestream.io.state import StateDir
 from mergestream.patches.build import build_patch
 from mergestream.policies import make_policy
@@ -92,7 +93,7 @@ def test_version_patches_shrink_with_the_budget(tmp_path):
 
 
 def test_bad_budgets_and_unwrappable_policies_are_policy_errors():
-    for bad in (0, -0.1, 1.5, "x"):
+    for bad in (0, -0.1, 1.5, "x", float("nan")):
         with pytest.raises(PolicyError, match="patch_budget"):
             make_policy("iso_c", {"patch_budget": bad})
     with pytest.raises(PolicyError, match="scope=global"):
@@ -111,7 +112,7 @@ def test_subtract_unmerge_is_refused_and_replay_refolds_with_the_budget(tmp_path
     params = {"lambda": 0.4, "patch_budget": 0.25}
     _chain(tmp_path, "others", bpath, experts[1:3], "task_arithmetic", params)
     _, state = _chain(tmp_path, "all", bpath, experts[:3], "task_arithmetic", params)
-    with pytest.raises(StateError, match="replay"):
+    with pytest.raises(StateError, match="patch budget.*replay"):  # the cause named, not the inner policy
         engine.unmerge(state, "e0", "subtract", out=tmp_path / "minus")
     engine.unmerge(state, "e0", "replay", out=tmp_path / "replay")
     got, want = read_state_dict(tmp_path / "replay"), read_state_dict(tmp_path / "others-1")
@@ -145,3 +146,24 @@ def test_daemon_config_takes_patch_budget_and_refuses_a_bad_one(tmp_path, tiny_b
         path.write_text(f"base: {tiny_bert}\npolicy: {{name: iso_c, params: {{patch_budget: {bad}}}}}\n")
         with pytest.raises(ConfigError, match="patch_budget"):
             load_config(path)
+    sub = tmp_path / "sub.yaml"
+    sub.write_text(f"base: {tiny_bert}\npolicy: {{name: opcm, params: {{patch_budget: 0.2}}, unmerge_mode: subtract}}\n")
+    with pytest.raises(ConfigError, match="patch budget"):  # opcm subtracts, its budget does not
+        load_config(sub)
+    sub.write_text(f"base: {tiny_bert}\npolicy: {{name: opcm, params: {{patch_budget: 0.2}}}}\n")
+    assert load_config(sub).policy.unmerge_mode == "replay"
+
+
+def test_offline_merge_is_the_inner_policys_and_records_no_budget(tmp_path, models):
+    """An offline merge has no versions in between: it neither applies nor records the budget
+    (its metadata and card said patch_budget=0.2 for weights merged without one)."""
+    _, bpath, experts = models
+    for name, params in (("plain", {"alpha": 2.0}), ("budget", {"alpha": 2.0, "patch_budget": 0.2})):
+        report = engine.merge(bpath, experts[:3], "iso_c", params, out=tmp_path / name)
+        assert "patch_budget" not in report.params
+    meta = provenance_of(tmp_path / "budget")
+    assert json.loads(meta["mergestream.params"]) == json.loads(provenance_of(tmp_path / "plain")["mergestream.params"])
+    assert "patch_budget" not in (tmp_path / "budget" / "README.md").read_text()
+    got, want = read_state_dict(tmp_path / "budget"), read_state_dict(tmp_path / "plain")
+    assert all(torch.equal(got[k], want[k]) for k in want)
+

@@ -408,7 +408,7 @@ def merge(base: str | os.PathLike, experts: list[str | os.PathLike], policy: str
     pin_mmap_threshold()
     t0 = time.perf_counter()
     opts = options or DEFAULT_OPTIONS
-    pol = policy if isinstance(policy, Policy) else make_policy(policy, params)
+    pol = (policy if isinstance(policy, Policy) else make_policy(policy, params)).offline()
     dev = resolve_device(opts.device)
     if not experts:
         raise MergestreamError("merge needs at least one expert")

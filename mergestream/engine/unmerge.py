@@ -125,8 +125,8 @@ def subtract(sd: StateDir, k: int, *, out, base, backbone, options: ExecOptions)
     man = sd.manifest
     pol = make_policy(man.policy, man.folds[k].params)
     if not pol.subtract_unmerge:
-        raise StateError(f"policy {man.policy} keeps the experts folded together in its state, so subtract "
-                         f"cannot remove {man.folds[k].id!r} from it; use --mode replay (refolds the others)")
+        raise StateError(f"policy {man.policy} cannot remove {man.folds[k].id!r} by subtract "
+                         f"({pol.no_subtract_reason}); use --mode replay (refolds the others)")
     if not backbone or not Path(backbone).exists():
         raise StateError(f"backbone {backbone} recorded in {sd.path} is missing; pass --backbone")
     dev = resolve_device(device)

@@ -117,6 +117,8 @@ class Policy:
     #: and names ``replay``. A class default that an instance may narrow by its parameters
     #: (SAFE-Merge with ``iso_alpha``); ask an instance.
     subtract_unmerge: bool = True
+    #: why ``subtract`` is refused when :attr:`subtract_unmerge` is False, as errors say it
+    no_subtract_reason: str = "its state folds the experts together"
     #: the parameters that reproduce the reference implementation (FusionBench 0.2.33) on its
     #: conventions, checked by tests/test_conformance.py on the fixtures of
     #: bench/conformance_reference.py; None for a policy that has no reference there
@@ -156,6 +158,11 @@ class Policy:
     def describe(self) -> dict[str, Any]:
         """Parameters as a JSON-able dict, with METHODS.md names (``lambda``, ``k``, ...)."""
         return self.params.model_dump(by_alias=True)
+
+    def offline(self) -> Policy:
+        """The policy an offline K-way ``merge`` runs as, and records: this one (a patch budget,
+        which has no versions in between to bound, gives its inner policy)."""
+        return self
 
     def coefficient(self) -> float | None:
         """The coefficient this fold uses for the new expert (recorded in the state manifest)."""

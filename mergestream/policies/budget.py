@@ -48,7 +48,7 @@ _KEY = "budget_residual"
 
 
 class BudgetParams(PolicyParams):
-    patch_budget: float = Field(gt=0, le=1, description="share ρ of a matrix's entries one fold may change "
+    patch_budget: float = Field(gt=0, le=1, allow_inf_nan=False, description="share ρ of a matrix's entries one fold may change "
                                                         "(0 < ρ ≤ 1; the rest is carried to later folds)")
 
 
@@ -68,6 +68,7 @@ class PatchBudget(Wrapper):
         else:
             self.contributions_in_state = False  # type: ignore[misc]
             self.subtract_unmerge = False  # type: ignore[misc]
+            self.no_subtract_reason = "its patch budget's residual mixes the experts (patch_budget < 1)"
             if inner.scales_globally():
                 raise PolicyError(f"policy {inner.name}: a patch budget cannot wrap a whole-model rescale "
                                   "(scope=global)")
@@ -127,6 +128,11 @@ class PatchBudget(Wrapper):
         held = g.masked_fill_(keep, 0.0)
         stats = {**res.stats, "budget_kept": float(keep.sum()) / max(keep.numel(), 1)}
         return TensorFold(delta, {**res.state, _KEY: held.to(state_dtype(ctx.dtype))}, stats)
+
+    def offline(self) -> Policy:
+        """The inner policy: an offline merge has no versions in between, so no budget to apply or
+        record (its card and metadata name the inner policy's parameters only)."""
+        return self.inner.offline()
 
     def merge_tensor(self, base: Tensor, taus: list[Tensor], ctx: TensorContext) -> Tensor:
         """The inner policy's offline merge (one output, no patches in between)."""
