@@ -48,8 +48,9 @@ _KEY = "budget_residual"
 
 
 class BudgetParams(PolicyParams):
-    patch_budget: float = Field(gt=0, le=1, allow_inf_nan=False, description="share ρ of a matrix's entries one fold may change "
-                                                        "(0 < ρ ≤ 1; the rest is carried to later folds)")
+    patch_budget: float = Field(gt=0, le=1, allow_inf_nan=False,
+                                description="share ρ of a matrix's entries one fold may change "
+                                            "(0 < ρ ≤ 1; the rest is carried to later folds)")
 
 
 class PatchBudget(Wrapper):
