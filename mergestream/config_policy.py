@@ -122,8 +122,8 @@ class PolicyConfig(_Section):
 
     @model_validator(mode="after")
     def _unmerge_mode_fits(self) -> PolicyConfig:
-        if _CHECK_POLICY.get() and self.unmerge_mode == "subtract" and not self.make().subtract_unmerge:
-            raise ValueError(f"policy {self.name} cannot unmerge by subtract ({self.make().no_subtract_reason}): "
+        if _CHECK_POLICY.get() and self.unmerge_mode == "subtract" and not (pol := self.make()).subtract_unmerge:
+            raise ValueError(f"policy {self.name} cannot unmerge by subtract ({pol.no_subtract_reason}): "
                              "set policy.unmerge_mode: replay")
         return self
 

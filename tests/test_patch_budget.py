@@ -166,4 +166,3 @@ def test_offline_merge_is_the_inner_policys_and_records_no_budget(tmp_path, mode
     assert "patch_budget" not in (tmp_path / "budget" / "README.md").read_text()
     got, want = read_state_dict(tmp_path / "budget"), read_state_dict(tmp_path / "plain")
     assert all(torch.equal(got[k], want[k]) for k in want)
-

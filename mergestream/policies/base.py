@@ -304,6 +304,10 @@ class Wrapper(Policy):
         self.Params = inner.Params  # type: ignore[misc]
         self.params = inner.params
         self.coefficient_param = inner.coefficient_param  # type: ignore[misc]
+        # capabilities are the inner policy's until the wrapper narrows them
+        self.contributions_in_state = inner.contributions_in_state  # type: ignore[misc]
+        self.subtract_unmerge = inner.subtract_unmerge
+        self.no_subtract_reason = inner.no_subtract_reason
         self.state_grows = inner.state_grows  # type: ignore[misc]
 
     def describe(self) -> dict[str, Any]:

@@ -63,10 +63,7 @@ class PatchBudget(Wrapper):
     def __init__(self, inner: Policy, params: dict[str, Any] | BudgetParams):
         super().__init__(inner, params)
         self.budget: BudgetParams = self.own  # type: ignore[assignment]
-        if self.is_identity():
-            self.contributions_in_state = inner.contributions_in_state  # type: ignore[misc]
-            self.subtract_unmerge = inner.subtract_unmerge  # type: ignore[misc]
-        else:
+        if not self.is_identity():  # ρ = 1 keeps the inner policy's capabilities (Wrapper)
             self.contributions_in_state = False  # type: ignore[misc]
             self.subtract_unmerge = False  # type: ignore[misc]
             self.no_subtract_reason = "its patch budget's residual mixes the experts (patch_budget < 1)"

@@ -95,8 +95,6 @@ class Lines(Wrapper):
     def __init__(self, inner: Policy, params: dict[str, Any] | LinesParams):
         super().__init__(inner, params)
         self.lines: LinesParams = self.own  # type: ignore[assignment]
-        self.contributions_in_state = inner.contributions_in_state  # type: ignore[misc]
-        self.subtract_unmerge = inner.subtract_unmerge  # type: ignore[misc]
         if inner.scales_globally():
             raise PolicyError(f"policy {inner.name}: LiNeS cannot wrap a whole-model rescale (scope=global)")
 
