@@ -493,6 +493,54 @@ def _match_names(ck_names: list[str], sd: dict[str, torch.Tensor]) -> dict[str, 
     return out
 
 
+def write_trained(model: torch.nn.Module, src: Path, out: Path, metadata: dict[str, str], *,
+                  error: type[MergestreamError] = RIError) -> None:
+    """Write ``model``'s trained parameters as a checkpoint folder ``out`` shaped like ``src``.
+
+    ``out`` holds one ``model.safetensors`` with ``src``'s tensor names and dtypes (tensors the
+    model does not train, or that it lacks, are copied bit for bit from ``src``), ``src``'s other
+    files (tokenizer, config, task probe, ``1_Pooling/`` ...) and in the safetensors header
+    ``src``'s metadata updated with ``metadata``. Staged in ``out.partial`` and renamed, so ``out`` is never half written; an existing
+    ``out`` is replaced. ``src`` may be ``out`` itself (a backbone distilled in place).
+
+    Raises:
+        error: none of ``src``'s tensor names match the module's trained parameters.
+    """
+    from safetensors.torch import save_file
+
+    from .io.checkpoints import open_checkpoint
+
+    sd = {k: v.detach() for k, v in model.state_dict().items()}
+    ck = open_checkpoint(src)
+    try:
+        names = ck.keys()
+        mapping = _match_names(names, sd)
+        header = {**ck.metadata(), **metadata}
+        trained = {n for n, p in model.named_parameters() if p.requires_grad}
+        if not any(mapping.get(n) in trained for n in names):
+            raise error(f"none of {src}'s tensor names match the feature model's parameters "
+                        f"(e.g. {names[:3]} vs {list(sd)[:3]})")
+        tensors = {}
+        for n in names:
+            orig = ck.get(n)
+            k = mapping.get(n)
+            if k is None or k not in trained:
+                tensors[n] = orig.contiguous()
+            else:
+                tensors[n] = sd[k].to("cpu", orig.dtype).reshape(orig.shape).contiguous()
+    finally:
+        ck.close()
+    del sd
+    stage = out.with_name(out.name + ".partial")
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir(parents=True)
+    copy_aux_files(src, stage)
+    save_file(tensors, str(stage / "model.safetensors"), metadata=header)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(stage, out)
+
+
 def adapt_expert(expert: str | os.PathLike, base: str | os.PathLike, out: str | os.PathLike, *,
                  own_head: Head, other_heads: Sequence[Head], aux: Sequence[AuxItem],
                  params: RIParams = RIParams(), feature_model: FeatureModel | None = None,
@@ -520,8 +568,6 @@ def adapt_expert(expert: str | os.PathLike, base: str | os.PathLike, out: str | 
         RIError: see :func:`resolve_interference`, plus a module whose parameters cannot be matched
             to the checkpoint's tensor names.
     """
-    from .io.checkpoints import open_checkpoint
-
     expert, base, out = Path(expert), Path(base), Path(out)
     if params.steps == 0 or params.alpha == 0 or not other_heads:  # see resolve_interference
         return expert, RIResult(other_heads=len(other_heads))
@@ -533,35 +579,6 @@ def adapt_expert(expert: str | os.PathLike, base: str | os.PathLike, out: str | 
     model = feature_model.load(expert, dev)
     res = resolve_interference(model, feature_model.features, aux, bf, own_head, other_heads, params,
                                progress=progress)
-    sd = {k: v.detach() for k, v in model.state_dict().items()}
-    ck = open_checkpoint(expert)
-    try:
-        names = ck.keys()
-        mapping = _match_names(names, sd)
-        trained = {n for n, p in model.named_parameters() if p.requires_grad}
-        if not any(mapping.get(n) in trained for n in names):
-            raise RIError(f"none of {expert}'s tensor names match the feature model's parameters "
-                          f"(e.g. {names[:3]} vs {list(sd)[:3]})")
-        tensors = {}
-        for n in names:
-            orig = ck.get(n)
-            k = mapping.get(n)
-            if k is None or k not in trained:
-                tensors[n] = orig.contiguous()
-            else:
-                tensors[n] = sd[k].to("cpu", orig.dtype).reshape(orig.shape).contiguous()
-    finally:
-        ck.close()
-    del model, sd
-    from safetensors.torch import save_file
-
-    stage = out.with_name(out.name + ".partial")
-    shutil.rmtree(stage, ignore_errors=True)
-    stage.mkdir(parents=True)
-    copy_aux_files(expert, stage)  # the expert's tokenizer, config, task probe, 1_Pooling/ ...
-    save_file(tensors, str(stage / "model.safetensors"),
-              metadata={"mergestream.ri": json.dumps({**res.to_json(), "params": asdict(params)})})
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(stage, out)
+    write_trained(model, expert, out, {"mergestream.ri": json.dumps({**res.to_json(), "params": asdict(params)})},
+                  error=RIError)
     return out, res

@@ -1,0 +1,334 @@
+"""Distil: a post-step that pulls a folded backbone back toward every expert's own outputs.
+
+A fold (any policy) gives the backbone θ. With a few unlabeled inputs xⱼ of each task j folded so
+far, its task head hⱼ and the log-probabilities pⱼ = log softmax hⱼ(f_θⱼ(xⱼ)) of expert j's own
+outputs (recorded once, when expert j arrives), θ (initialised at the fold's result) minimises
+
+    L(θ) = 1/N · Σⱼ KL(pⱼ ‖ log softmax hⱼ(f_θ(xⱼ)))  +  γ · ‖Ĉ_θ − Ĉ_θ₀‖²_F / B
+
+over N tasks, where Ĉ is the B × B cosine-similarity matrix of the pooled features of one batch
+(every task's inputs together). The first term is knowledge distillation from each expert
+(Hinton et al., arXiv 1503.02531) on few unlabeled inputs, the form data-aided merging uses to
+recover what a merge lost (e.g. ProDistill, Xu et al., ICML 2025, which distils layer-wise
+features); ours distils each task's head outputs, so only the heads and a handful of inputs are
+kept per task. The second term is similarity-preserving distillation (Tung & Mori, ICCV 2019,
+Eq. 2-4) toward θ₀: it keeps the geometry of θ₀'s embedding space, which general-knowledge probes
+(sentence similarity) read, and which the KL term alone erodes. γ = 0 drops it.
+
+Two layers, as in :mod:`mergestream.ri` (whose feature models, auxiliary data and checkpoint
+writer this module uses):
+
+* :func:`distill` — the optimisation on an in-memory module; no I/O.
+* :func:`distill_backbone` — on a backbone folder: loads it with a :class:`~mergestream.ri.FeatureModel`,
+  caches θ₀'s features of the inputs, optimises under a step and a time budget, and writes the
+  result with the backbone's tensor names, dtypes, other files and header metadata (plus
+  ``mergestream.distill``), staged and renamed.
+
+Like RI it trains: the whole backbone, its gradients and AdamW's two moments are resident (≈ 4× its
+float32 size). A policy whose backbone is rebuilt from its state (Iso-C's Σ τ) does not carry the
+correction to the next fold; the step runs again after every fold, on every task seen so far.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .errors import MergestreamError
+from .ri import AuxItem, FeatureModel, Head, HFEncoderFeatures, RIError, base_features, write_trained
+
+log = logging.getLogger(__name__)
+
+
+class DistillError(MergestreamError):
+    """The distil step cannot run: bad parameters, no task, inputs or teacher outputs that do not
+    fit their head, a backbone that cannot be loaded, or a loss that became non-finite."""
+
+
+@dataclass(frozen=True)
+class DistillParams:
+    """Distil hyperparameters.
+
+    Attributes:
+        steps: AdamW updates; 0 makes the step the identity.
+        lr: AdamW learning rate (no weight decay).
+        batch_per_task: inputs of each task in every step's batch.
+        gamma: weight γ of the similarity-preserving term toward θ₀ (0: off).
+        max_length: tokens per input for the default Hugging Face features.
+        seed: order of the batches.
+        time_budget_seconds: wall-clock budget of the optimisation (s); None: no limit.
+        eval_examples: inputs per task on which the loss is reported before and after.
+    """
+
+    steps: int = 100
+    lr: float = 1e-5
+    batch_per_task: int = 8
+    gamma: float = 0.3
+    max_length: int = 64
+    seed: int = 0
+    time_budget_seconds: float | None = None
+    eval_examples: int = 32
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "lr", "gamma", "eval_examples"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or v != v or v in (float("inf"), float("-inf")) or v < 0:
+                raise DistillError(f"distil {name} must be a finite number >= 0, got {v!r}")
+        if self.lr <= 0 or self.batch_per_task < 1 or self.max_length < 1:
+            raise DistillError(f"invalid distil parameters {self}: lr > 0; batch_per_task, max_length >= 1")
+        if self.time_budget_seconds is not None and not self.time_budget_seconds >= 0:
+            raise DistillError("distil time_budget_seconds must be >= 0")
+
+
+@dataclass
+class DistillTask:
+    """One task's part of the objective.
+
+    Attributes:
+        name: the task (for messages and the record).
+        head: hⱼ as (weight (C, H) float32, bias (C,) float32).
+        inputs: its unlabeled inputs xⱼ (N items).
+        teacher_logp: log softmax of expert j's own logits on ``inputs``, (N, C) float32
+            (:func:`teacher_outputs`).
+    """
+
+    name: str
+    head: Head
+    inputs: list[AuxItem]
+    teacher_logp: torch.Tensor
+
+
+@dataclass
+class DistillResult:
+    """What one distil run did.
+
+    Attributes:
+        steps: AdamW steps taken; seconds: wall time of the optimisation (s).
+        stopped: ``"steps"``, ``"time"`` or ``"identity"`` (no steps).
+        kl_before / kl_after: the mean KL term on the evaluation inputs at the fold's result and after.
+        sim_before / sim_after: the similarity term (unweighted) on the same inputs.
+        tasks: the tasks distilled, in order.
+        losses: the mini-batch loss of every step.
+    """
+
+    steps: int = 0
+    seconds: float = 0.0
+    stopped: str = "identity"
+    kl_before: float = 0.0
+    kl_after: float = 0.0
+    sim_before: float = 0.0
+    sim_after: float = 0.0
+    tasks: list[str] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        """The record without the per-step losses (first and last kept)."""
+        d = asdict(self)
+        d.pop("losses")
+        d["loss_first_step"] = self.losses[0] if self.losses else None
+        d["loss_last_step"] = self.losses[-1] if self.losses else None
+        return d
+
+
+def similarity_term(student: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """‖Ĉ_s − Ĉ_b‖²_F / B for features (B, H) of one batch, Ĉ = the B × B cosine similarities
+    (Tung & Mori, ICCV 2019, Eq. 2-4, on row-normalised features instead of their row-normalised
+    Gram matrix: the same geometry for pooled embeddings). A scalar, differentiable in ``student``."""
+    s = F.normalize(student.float(), dim=-1)
+    b = F.normalize(base.float(), dim=-1)
+    return (s @ s.T - b @ b.T).pow(2).sum() / student.shape[0]
+
+
+def _kl(feats: torch.Tensor, head: Head, teacher_logp: torch.Tensor) -> torch.Tensor:
+    w, b = head
+    return F.kl_div(F.log_softmax(feats @ w.T + b, -1), teacher_logp, log_target=True, reduction="batchmean")
+
+
+def _check(tasks: Sequence[DistillTask], base_feats: dict[str, torch.Tensor]) -> None:
+    if not tasks:
+        raise DistillError("distil needs at least one task")
+    for t in tasks:
+        n = len(t.inputs)
+        w, b = t.head
+        if n == 0:
+            raise DistillError(f"task {t.name!r}: no inputs")
+        if w.dim() != 2 or b.shape != (w.shape[0],):
+            raise DistillError(f"task {t.name!r}: head weight {tuple(w.shape)} / bias {tuple(b.shape)} do not fit")
+        if t.teacher_logp.shape != (n, w.shape[0]):
+            raise DistillError(f"task {t.name!r}: teacher outputs must be (N={n}, C={w.shape[0]}), "
+                               f"got {tuple(t.teacher_logp.shape)}")
+        if not torch.isfinite(t.teacher_logp).all():
+            raise DistillError(f"task {t.name!r}: teacher outputs are not finite")
+        bf = base_feats.get(t.name)
+        if bf is None or bf.dim() != 2 or bf.shape[0] != n or bf.shape[1] != w.shape[1]:
+            raise DistillError(f"task {t.name!r}: θ₀ features must be (N={n}, H={w.shape[1]}), "
+                               f"got {None if bf is None else tuple(bf.shape)}")
+
+
+def distill(model: torch.nn.Module, features: Callable[[torch.nn.Module, list[AuxItem]], torch.Tensor],
+            tasks: Sequence[DistillTask], base_feats: dict[str, torch.Tensor], params: DistillParams = DistillParams(),
+            *, progress: Callable[[int, float], None] | None = None) -> DistillResult:
+    """Train ``model`` (the folded backbone, updated in place) on the distil objective.
+
+    Args:
+        model: the backbone's module; every floating parameter with ``requires_grad`` is trained.
+        features: ``features(model, items) -> (B, H)`` float32 pooled features (differentiable).
+        tasks: every task seen so far (:class:`DistillTask`).
+        base_feats: f_θ₀ of each task's inputs, ``{name: (N, H) float32}``, row i for ``inputs[i]``.
+        params: budgets and hyperparameters.
+        progress: called after every step with (step, mini-batch loss).
+
+    Returns:
+        :class:`DistillResult`; ``model`` is untouched when ``params.steps == 0``.
+
+    Raises:
+        DistillError: no task, inputs / heads / teacher outputs / θ₀ features that do not fit, or a
+            non-finite loss.
+    """
+    _check(tasks, base_feats)
+    res = DistillResult(tasks=[t.name for t in tasks])
+    if params.steps == 0:
+        return res
+    was_training = model.training
+    model.eval()
+    dev = next(model.parameters()).device
+    heads = [(t.head[0].to(dev).float(), t.head[1].to(dev).float()) for t in tasks]
+    teach = [t.teacher_logp.to(dev).float() for t in tasks]
+    bases = [base_feats[t.name].to(dev).float() for t in tasks]
+
+    def loss_on(picks: list[list[int]], with_sim: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        kls, fs, bs = [], [], []
+        for k, (t, idx) in enumerate(zip(tasks, picks)):
+            f = features(model, [t.inputs[i] for i in idx]).float()
+            kls.append(_kl(f, heads[k], teach[k][idx]))
+            fs.append(f)
+            bs.append(bases[k][idx])
+        sim = similarity_term(torch.cat(fs), torch.cat(bs)) if with_sim else fs[0].new_zeros(())
+        return torch.stack(kls).mean(), sim
+
+    ev = [list(range(min(len(t.inputs), params.eval_examples))) for t in tasks]
+
+    def evaluate() -> tuple[float, float]:
+        with torch.no_grad():
+            kl, sim = loss_on(ev, True)  # the similarity term is reported whatever γ
+        return float(kl), float(sim)
+
+    res.kl_before, res.sim_before = evaluate()
+    trainable = [p for p in model.parameters() if p.requires_grad and p.is_floating_point()]
+    opt = torch.optim.AdamW(trainable, lr=params.lr, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(params.seed)
+    orders: list[list[int]] = [[] for _ in tasks]
+    bs = params.batch_per_task
+    t0 = time.perf_counter()
+    res.stopped = "steps"
+    for step in range(params.steps):
+        if params.time_budget_seconds is not None and time.perf_counter() - t0 >= params.time_budget_seconds:
+            res.stopped = "time"
+            break
+        picks = []
+        for k, t in enumerate(tasks):
+            take = min(bs, len(t.inputs))
+            if len(orders[k]) < take:
+                orders[k] += torch.randperm(len(t.inputs), generator=gen).tolist()
+            picks.append(orders[k][:take])
+            orders[k] = orders[k][take:]
+        kl, sim = loss_on(picks, params.gamma > 0)
+        loss = kl + params.gamma * sim
+        if not torch.isfinite(loss):
+            raise DistillError(f"distil loss became non-finite at step {step}")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        res.losses.append(float(loss.detach()))
+        res.steps = step + 1
+        if progress is not None:
+            progress(res.steps, res.losses[-1])
+    res.seconds = time.perf_counter() - t0
+    res.kl_after, res.sim_after = evaluate()
+    opt.zero_grad(set_to_none=True)
+    model.train(was_training)
+    log.info("distil tasks=%d steps=%d stopped=%s seconds=%.1f kl=%.5g->%.5g sim=%.5g->%.5g", len(tasks),
+             res.steps, res.stopped, res.seconds, res.kl_before, res.kl_after, res.sim_before, res.sim_after)
+    return res
+
+
+def teacher_outputs(fm: FeatureModel, expert: str | os.PathLike, head: Head, inputs: Sequence[AuxItem], *,
+                    device: str | torch.device = "cpu", batch_size: int = 64) -> torch.Tensor:
+    """log softmax hⱼ(f_θⱼ(x)) of expert ``expert`` on ``inputs``: (N, C) float32 on the CPU, the
+    target :class:`DistillTask` keeps (computed once, when the expert arrives).
+
+    Raises:
+        DistillError: the expert cannot be loaded by ``fm``, or the head does not fit its features.
+    """
+    try:
+        model = fm.load(Path(expert), torch.device(device))
+    except RIError as exc:
+        raise DistillError(str(exc)) from exc
+    w, b = head[0].float(), head[1].float()
+    out = []
+    with torch.no_grad():
+        for s in range(0, len(inputs), batch_size):
+            f = fm.features(model, list(inputs[s:s + batch_size])).float().cpu()
+            if f.shape[1] != w.shape[1]:
+                raise DistillError(f"head weight {tuple(w.shape)} does not fit the expert's features {tuple(f.shape)}")
+            out.append(F.log_softmax(f @ w.T + b, -1))
+    del model
+    return torch.cat(out)
+
+
+def distill_backbone(backbone: str | os.PathLike, base: str | os.PathLike, out: str | os.PathLike, *,
+                     tasks: Sequence[DistillTask], params: DistillParams = DistillParams(),
+                     feature_model: FeatureModel | None = None, cache_dir: str | os.PathLike | None = None,
+                     device: str | torch.device = "cpu",
+                     progress: Callable[[int, float], None] | None = None) -> tuple[Path, DistillResult]:
+    """Run the distil step on a folded backbone folder and write the result to ``out``.
+
+    Args:
+        backbone: the fold's output (a Hugging Face folder for the default features).
+        base: θ₀ (same form), for the similarity term's features.
+        out: the folder written (``backbone`` itself to distil in place): one ``model.safetensors``
+            with the backbone's tensor names and dtypes, its other files, and its header metadata
+            plus ``mergestream.distill`` (the result and the parameters, JSON).
+        tasks: every task seen so far (:class:`DistillTask`).
+        feature_model: default :class:`~mergestream.ri.HFEncoderFeatures` with the backbone's
+            tokenizer (the base's when it has none).
+        cache_dir: where θ₀'s features of each task's inputs are cached (None: not cached).
+
+    Returns:
+        (the folder, result). With ``params.steps == 0`` nothing is written and the folder is
+        ``backbone``.
+
+    Raises:
+        DistillError: see :func:`distill`, plus a backbone whose tensor names do not match the
+            feature model's parameters.
+    """
+    backbone, base, out = Path(backbone), Path(base), Path(out)
+    _check(tasks, {t.name: torch.empty(len(t.inputs), t.head[0].shape[1]) for t in tasks})
+    if params.steps == 0:
+        return backbone, DistillResult(tasks=[t.name for t in tasks])
+    dev = torch.device(device)
+    if feature_model is None:
+        has_tok = (backbone / "tokenizer_config.json").exists() or (backbone / "tokenizer.json").exists()
+        try:
+            feature_model = HFEncoderFeatures(backbone if has_tok else base, max_length=params.max_length)
+        except RIError as exc:
+            raise DistillError(str(exc)) from exc
+    cache = Path(cache_dir) if cache_dir else None
+    try:
+        bf = {t.name: base_features(feature_model, base, t.inputs, cache_dir=cache, device=dev) for t in tasks}
+        model = feature_model.load(backbone, dev)
+    except RIError as exc:
+        raise DistillError(str(exc)) from exc
+    res = distill(model, feature_model.features, tasks, bf, params, progress=progress)
+    write_trained(model, backbone, out, {"mergestream.distill": json.dumps({**res.to_json(), "params": asdict(params)})},
+                  error=DistillError)
+    return out, res
