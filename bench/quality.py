@@ -92,11 +92,12 @@ from mergestream import text as T  # noqa: E402
 from mergestream.config import ObjectiveConfig  # noqa: E402
 from mergestream.daemon.objective import ProbeObjective  # noqa: E402
 from mergestream.daemon.probes import SentenceSimilarityProbe, TaskProbeSpec  # noqa: E402
+from mergestream.distill import DistillParams, DistillTask, distill_backbone, teacher_outputs  # noqa: E402
 from mergestream.engine import ExecOptions, fold, unmerge  # noqa: E402
 from mergestream.engine.coefficients import EntropyObjective  # noqa: E402
 from mergestream.io.st import WEIGHTS_HASH_VERSION  # noqa: E402
 from mergestream.patches.build import build_patch  # noqa: E402
-from mergestream.ri import RIParams, adapt_expert, load_feature_model  # noqa: E402
+from mergestream.ri import HFEncoderFeatures, RIParams, adapt_expert, load_feature_model  # noqa: E402
 
 #: LiNeS for the 6-block MiniLM: shallowest blocks at half the update, the deepest at all of it
 LINES = {"lines_alpha": 0.5, "lines_beta": 0.5, "lines_layers": 6}
@@ -191,19 +192,22 @@ class Evaluator:
 
 def fold_stream(order: list[str], experts: dict[str, Path], policy: str, params: dict[str, Any], ev: Evaluator,
                 workdir: Path, *, full_steps: bool, log, objective_for=None, keep_final: bool = False,
-                patches: bool = False, ri=None, threads: int | None = 1, fold_with=None) -> dict[str, Any]:
+                patches: bool = False, ri=None, threads: int | None = 1, fold_with=None,
+                post=None) -> dict[str, Any]:
     """Fold ``order`` one by one; returns steps, fold seconds, final metrics (and the state folder).
 
     ``patches``: build the version-to-version patch after every fold and record its size / the
     model's. ``ri``: ``ri(order[:t]) -> (adapted expert folder, RI seconds)``, the RI pre-step.
     ``fold_with``: ``fold_with(seen, backbone | None, expert, state, out) -> FoldReport`` instead of
     one engine fold (``bench/quality_heldout.py``: the daemon's per-fold strength choice).
+    ``post``: ``post(seen, out) -> seconds``, a post-step that rewrites the fold's output in place
+    (the distil step), timed apart from the fold.
     """
     base = X.base_model_path()
     run = Path(tempfile.mkdtemp(prefix=f"{policy}-", dir=workdir))
     state = run / "state"
     prev: Path | None = None
-    steps, diag, fold_s, patch_ratio, patch_ratio_v2, ri_s = [], {}, [], [], [], []
+    steps, diag, fold_s, patch_ratio, patch_ratio_v2, ri_s, post_s = [], {}, [], [], [], [], []
     for t, task in enumerate(order, 1):
         out = run / f"v{t}"
         src = experts[task]
@@ -218,6 +222,8 @@ def fold_stream(order: list[str], experts: dict[str, Path], policy: str, params:
             frep = fold(base, prev, src, policy, params, state_dir=state, out=out, expert_id=task,
                         objective=objective, options=ExecOptions(threads=threads))
         fold_s.append(time.perf_counter() - t0)
+        if post is not None:
+            post_s.append(post(tuple(order[:t]), out))
         if patches and prev is not None:
             ratios = [build_patch(prev, out, run / "patch.safetensors", source_version=str(t - 1),
                                   target_version=str(t), policy=policy, overwrite=True, patch_format=fmt,
@@ -235,13 +241,15 @@ def fold_stream(order: list[str], experts: dict[str, Path], policy: str, params:
         diag[task] = accs[task]
         steps.append({"t": t, "task": task, "acc": accs, "G": g, "fold_seconds": fold_s[-1],
                       "patch_ratio": patch_ratio[-1] if patches and t > 1 else None,
-                      "ri_seconds": ri_s[-1] if ri_s else None, "search": frep.search,
+                      "ri_seconds": ri_s[-1] if ri_s else None, "distill_seconds": post_s[-1] if post_s else None,
+                      "search": frep.search,
                       "coefficients": frep.coefficients, "layer_alphas": frep.params.get("layer_alphas")})
         log(f"  {policy} t={t} {task}: acc[{task}]={accs[task]:.1f}" + (f" G={g:.2f}" if g is not None else "")
-            + f" fold {fold_s[-1]:.1f}s")
+            + f" fold {fold_s[-1]:.1f}s" + (f" distil {post_s[-1]:.1f}s" if post_s else ""))
     final_acc = steps[-1]["acc"]
     res = {"steps": steps, "diag": diag, "final_acc": final_acc, "G": steps[-1]["G"], "fold_seconds": fold_s,
-           "patch_ratio": patch_ratio, "patch_ratio_v2": patch_ratio_v2, "ri_seconds": ri_s, "run": run, "state": state, "backbone": prev,
+           "patch_ratio": patch_ratio, "patch_ratio_v2": patch_ratio_v2, "ri_seconds": ri_s,
+           "distill_seconds": post_s, "run": run, "state": state, "backbone": prev,
            "ran_params": {k: v for k, v in frep.params.items() if k != "layer_alphas"}}
     if not keep_final:
         shutil.rmtree(run, ignore_errors=True)
@@ -262,6 +270,8 @@ def summarise(order: list[str], res: dict[str, Any], expert_acc: dict[str, float
         out["patch_ratio_v2_mean"] = float(np.mean(res["patch_ratio_v2"]))
     if res.get("ri_seconds"):
         out["ri_seconds_mean"] = float(np.mean(res["ri_seconds"]))
+    if res.get("distill_seconds"):
+        out["distill_seconds_mean"] = float(np.mean(res["distill_seconds"]))
     return out
 
 
@@ -365,6 +375,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ri-lr", type=float, default=1e-5)
     ap.add_argument("--ri-aux", type=int, default=48,
                     help="unlabeled train-split inputs per task seen so far used as RI auxiliary data")
+    ap.add_argument("--distill-policies", default="",
+                    help="row labels (plain, variants or +ri rows, e.g. iso_c,iso_c+ri) also run with the distil "
+                         "post-step after every fold ('+distill' rows; mergestream.distill); '' for none")
+    ap.add_argument("--distill-steps", type=int, default=DistillParams().steps, help="distil AdamW steps per fold")
+    ap.add_argument("--distill-lr", type=float, default=DistillParams().lr)
+    ap.add_argument("--distill-gamma", type=float, default=DistillParams().gamma,
+                    help="weight of the distil step's similarity-preserving term toward θ₀")
+    ap.add_argument("--distill-aux", type=int, default=128,
+                    help="unlabeled train-split inputs per task the distil step uses (its experts' outputs on them)")
     ap.add_argument("--no-patches", action="store_true", help="skip the patch size measurement")
     ap.add_argument("--lp-train", type=int, default=None, help="train rows for the linear-probe reference (default: all)")
     ap.add_argument("--reduced-note", default="", help="text for quality.md about what was reduced")
@@ -509,6 +528,21 @@ def ri_rows(wanted: list[str], runs: list[dict[str, Any]], pols: list[tuple[str,
     return rows
 
 
+def distill_rows(wanted: list[str], rows: list[tuple[str, str, dict[str, Any]]]) -> list[tuple[str, str, dict[str, Any]]]:
+    """The +distill rows to run, each once, in the order of ``--distill-policies``: a name is the
+    label of a row in ``rows`` (plain, variant or +ri); a name that is none is dropped.
+
+    Returns:
+        (policy, variant + "+distill", params) per row.
+    """
+    out: list[tuple[str, str, dict[str, Any]]] = []
+    for name in dict.fromkeys(wanted):
+        src = next((p for p in rows if p[0] + p[1] == name), None)
+        if src is not None:
+            out.append((src[0], src[1] + "+distill", dict(src[2])))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     X._offline()
@@ -572,8 +606,10 @@ def main(argv: list[str] | None = None) -> int:
         ([] if args.adamerging else ["mdm_oc with AdaMerging coefficients (--adamerging; not run for time)"])
     sts_dev = read_sts_dev(data, args.sts_pairs or 500)  # tuning's and the CMA-ES objective's pairs (never test)
     tuned: dict[str, Any] = dict(prev["protocol"]["tuning"]) if prev is not None else {}
+    dparams = DistillParams(steps=args.distill_steps, lr=args.distill_lr, gamma=args.distill_gamma)
     ri_params = RIParams(steps=args.ri_steps, lr=args.ri_lr, batch_size=16, max_length=64, eval_examples=64)
     ri_wanted = [p for p in args.ri_policies.split(",") if p]
+    distill_wanted = [p for p in args.distill_policies.split(",") if p]
     runs: list[dict[str, Any]] = list(prev["runs"]) if prev is not None else []
     planned: list[list[Any]] = []
     pieces: list[dict[str, Any]] = list(prev.get("pieces", [])) if prev is not None else []
@@ -596,6 +632,10 @@ def main(argv: list[str] | None = None) -> int:
                                  "adamerging": {"objective": "entropy of the seen tasks' heads",
                                                 "examples": args.ada_examples, "steps": args.ada_steps,
                                                 "inputs": "a subsample of the RI auxiliary inputs"}},
+                             "distill": {"policies": distill_wanted, "params": dparams.__dict__,
+                                         "aux_per_task": args.distill_aux,
+                                         "aux": "unlabeled train-split inputs of each task seen so far, with its "
+                                                "expert's outputs as the target"},
                              "ri": {"policies": ri_wanted, "params": ri_params.__dict__, "aux_per_task": args.ri_aux,
                                     "aux": "unlabeled train-split inputs of the tasks seen so far"},
                              "recipe": recipes,
@@ -670,19 +710,41 @@ def main(argv: list[str] | None = None) -> int:
                 f"{res.loss_after:.4f}, {ri_done[prefix][1]:.1f}s")
         return ri_done[prefix]
 
+    d_tasks: dict[str, DistillTask] = {}
+    d_fm = HFEncoderFeatures(X.base_model_path(), max_length=dparams.max_length)
+
+    def distil(seen: tuple[str, ...], out_dir: Path) -> float:
+        """The distil post-step on a fold's output, in place: every seen task's head toward its
+        (original) expert's outputs on --distill-aux unlabeled train inputs; returns its seconds."""
+        t0 = time.perf_counter()
+        for s_ in seen:
+            if s_ not in d_tasks:
+                inputs = [(r[0], r[1]) for r in X.subsample(tdata[s_].train, args.distill_aux, seed=5)]
+                d_tasks[s_] = DistillTask(s_, heads[s_], inputs, teacher_outputs(d_fm, experts[s_], heads[s_], inputs))
+        _, dres = distill_backbone(out_dir, X.base_model_path(), out_dir, tasks=[d_tasks[s_] for s_ in seen],
+                                   params=dparams, feature_model=d_fm, cache_dir=work / "distill-cache")
+        log(f"  distil {len(seen)} task(s): KL {dres.kl_before:.4f} -> {dres.kl_after:.4f}, "
+            f"similarity {dres.sim_before:.4f} -> {dres.sim_after:.4f}, {dres.seconds:.1f}s")
+        return time.perf_counter() - t0
+
     save_outputs(document(), out)  # the references and the plan, before the first run
     # every policy on the file order first, then the shuffles (an interrupted run keeps the former)
     def order_rows():
         """An order's rows: the plain ones, then the +ri ones. The file order runs first, so "best"
         (the best other policy by H on the file order) is known when its +ri rows are reached."""
-        for row in pols:
+        plain = list(pols)
+        for row in plain:
             yield (*row, False)
-        for row in ri_rows(ri_wanted, runs, pols, log):
+        with_ri = ri_rows(ri_wanted, runs, pols, log)
+        for row in with_ri:
             yield (*row, True)
+        for row in distill_rows(distill_wanted, plain + with_ri):
+            yield (*row, "+ri" in row[1])
 
     for seed, order in rng_orders:
         for pol, var, params, use_ri in order_rows():
-            if use_ri:
+            use_distill = var.endswith("+distill")
+            if use_ri or use_distill:
                 if [pol + var, seed] not in planned:
                     planned.append([pol + var, seed])
                 if shuffle_labels is not None and seed is not None and pol + var not in shuffle_labels:
@@ -703,12 +765,16 @@ def main(argv: list[str] | None = None) -> int:
             want_uad = seed is None and pol in UAD_POLICIES and not var and not args.no_uad
             res = fold_stream(order, experts, pol, params, ev, work, full_steps=full, log=log, objective_for=objective_for,
                               keep_final=want_uad, patches=seed is None and not args.no_patches,
-                              ri=ri if use_ri else None, threads=fold_threads)
+                              ri=ri if use_ri else None, threads=fold_threads, post=distil if use_distill else None)
+            if use_distill:
+                res["ran_params"].update({"distill_steps": dparams.steps, "distill_lr": dparams.lr,
+                                          "distill_gamma": dparams.gamma, "distill_aux": args.distill_aux})
             run = {"policy": pol, "variant": var, "order_seed": seed, "order": order, "params": params,
                    "final": summarise(order, res, ref["expert_acc"]),
                    "steps": [{"t": s["t"], "task": s["task"], "acc": s["acc"], "G": s["G"],
                               "fold_seconds": s["fold_seconds"], "patch_ratio": s["patch_ratio"],
-                              "ri_seconds": s["ri_seconds"], "search": s["search"], "coefficients": s["coefficients"],
+                              "ri_seconds": s["ri_seconds"],
+                              "distill_seconds": s["distill_seconds"], "search": s["search"], "coefficients": s["coefficients"],
                               "layer_alphas": s["layer_alphas"]} for s in res["steps"]],
                    "diag": res["diag"], "ran_params": res["ran_params"]}
             if want_uad:

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 #: row variants that need data (unlabeled inputs or probe rows) or a search objective: dashed lines
-NEEDS_DATA = ("+ri", "+cmaes", "+adamerging")
+NEEDS_DATA = ("+ri", "+distill", "+cmaes", "+adamerging")
 #: the seed methods of the project (SAFE-Merge and MDM-OC, ../shared/METHODS.md): always shown
 SEED_METHODS = ("safe_merge", "mdm_oc")
 #: distinct colours and markers for the highlighted rows (no colour repeats among at most 12 rows)
@@ -163,7 +163,7 @@ def plot_patch(doc: dict[str, Any], out: Path, default: str | None) -> Path | No
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("final H (mean over orders)")
     handles = [plt.Line2D([], [], ls="", marker="o", color=colour[p], label=p) for p in families]
-    handles += [plt.Line2D([], [], ls="", marker="^", color="0.4", label="needs data (+ri, +cmaes, +adamerging)"),
+    handles += [plt.Line2D([], [], ls="", marker="^", color="0.4", label="needs data (+ri, +distill, +cmaes, +adamerging)"),
                 plt.Line2D([], [], ls="", marker="o", color="w", markeredgecolor="k",
                            label="labelled: each policy, the default,\nthe best row of each family,\n"
                                  "the best H at its patch size or less (v2)"),

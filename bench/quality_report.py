@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from quality_plots import NEEDS_DATA as _NEEDS_DATA  # row variants that need data or a search objective
 
 from mergestream.policies import REGISTRY
 
@@ -23,19 +24,15 @@ def hmean(a: float, g: float) -> float:
 
 # ------------------------------------------------------------------------------------------
 def complete_plan(doc: dict[str, Any]) -> None:
-    """``+ri`` rows enter ``planned_runs`` only when their order is reached (the "best other"
+    """``+ri`` and ``+distill`` rows enter ``planned_runs`` only when their order is reached (the "best other"
     policy is chosen during the run): once a ``+ri`` label is known, plan it on every order."""
     seeds = [None, *range(doc["protocol"]["shuffles"])]
     plan = doc.setdefault("planned_runs", [])
-    for name in sorted({n for n, _ in plan if n.endswith("+ri")}):
+    for name in sorted({n for n, _ in plan if n.endswith(("+ri", "+distill"))}):
         for seed in seeds:
             if [name, seed] not in plan:
                 plan.append([name, seed])
 
-
-
-#: row variants a starter config cannot run without data or a search objective
-_NEEDS_DATA = ("+ri", "+cmaes", "+adamerging")
 
 
 def recommended_row(doc: dict[str, Any]) -> dict[str, Any] | None:
@@ -205,15 +202,17 @@ def write_md(doc: dict[str, Any], path: Path) -> None:
               "patch/model = size of the version-to-version patch (`versions/N/patch-from-<N-1>`) over the full "
               "model's, mean over folds 2..T of the file order, in patch format 1 and in format 2 with zstd (v2); "
               "RI s = seconds of the RI pre-step per expert "
-              "(the first expert of an order has no earlier heads, so RI leaves it unchanged).", "",
+              "(the first expert of an order has no earlier heads, so RI leaves it unchanged); distil s = seconds of "
+              "the distil post-step per fold (`mergestream.distill`: every seen task's head pulled toward its "
+              "expert's outputs on a few unlabeled inputs, θ₀'s similarity geometry kept).", "",
               "BWT = mean over the earlier tasks j < T of a_Tj − a_jj (ours); BWT ref = the same sum divided by "
               "T, the convention of FusionBench and the OPCM/DOP papers (= BWT · (T − 1)/T); a_jj = mean accuracy "
               "of each task right after its own fold (a low a_jj makes a positive BWT easy).", "",
               "Order-free rows (Task Arithmetic, Iso-C, Iso-CTS, weight averaging, alone or with LiNeS: the final "
               "model is a function of the set of experts) show their final-model metrics without a spread: they "
               "are equal for every order by construction.", "",
-              "| policy | params | ACC | norm ACC | BWT | BWT ref | a_jj | G | H | fold s | RI s | patch/model | patch/model v2 | UAD |",
-              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              "| policy | params | ACC | norm ACC | BWT | BWT ref | a_jj | G | H | fold s | RI s | distil s | patch/model | patch/model v2 | UAD |",
+              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in doc["runs"]:
         groups.setdefault(label(r), []).append(r)
@@ -234,11 +233,13 @@ def write_md(doc: dict[str, Any], path: Path) -> None:
         pr2 = next((r["final"]["patch_ratio_v2_mean"] for r in rs if r["final"].get("patch_ratio_v2_mean") is not None),
                    None)
         ri_s = [r["final"]["ri_seconds_mean"] for r in rs if r["final"].get("ri_seconds_mean") is not None]
+        di_s = [r["final"]["distill_seconds_mean"] for r in rs if r["final"].get("distill_seconds_mean") is not None]
         params = ran_params_text(rs[0]) + ("; order-free" if free and len(rs) > 1 else "")
         lines.append(f"| {name} | {params} | {cell('ACC')} | {cell('norm_ACC')} | {cell('BWT')} | {cell('BWT_ref')} | "
                      f"{cell('a_jj')} | {cell('G')} | "
                      f"{cell('H')} | {np.mean([r['final']['fold_seconds_mean'] for r in rs]):.1f} | "
                      + (f"{np.mean(ri_s):.1f}" if ri_s else "–") + " | "
+                     + (f"{np.mean(di_s):.1f}" if di_s else "–") + " | "
                      + (f"{pr:.3f}" if pr is not None else "–") + " | "
                      + (f"{pr2:.3f}" if pr2 is not None else "–") + " | "
                      + (f"{u:.2f}" if u is not None else "–") + " |")
@@ -306,8 +307,9 @@ def gains_table(runs: list[dict[str, Any]]) -> list[str]:
     for name in dict.fromkeys(names):
         parent = next(r["policy"] for r in runs if label(r) == name)
         parent = METHOD_BASELINES.get(name, parent)
-        if name.endswith("+ri") and "+" in name[:-3]:
-            parent = name[:-3]  # a variant with RI against the same variant without it
+        for step in ("+ri", "+distill"):  # a data step on a variant against the same variant without it
+            if name.endswith(step) and "+" in name[:-len(step)]:
+                parent = name[:-len(step)]
         seeds = [s for (n, s) in by if n == name and (parent, s) in by]
         if not seeds:
             continue

@@ -231,7 +231,7 @@ _NOT_PROTOCOL = frozenset({"out", "workdir", "threads", "resume", "from_json", "
 
 
 # options that only add rows (each row's numbers are independent of them): a resumed run may list more
-_ADDITIVE = frozenset({"ri_policies"})
+_ADDITIVE = frozenset({"ri_policies", "distill_policies"})
 
 
 def _grows(had: Any, now: Any) -> bool:

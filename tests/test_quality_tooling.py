@@ -487,3 +487,30 @@ def test_patch_plot_labels_the_front_of_quality_against_patch_size():
     assert "iso_c+budget" in show and "safe_merge+lines" not in show and "iso_c+lines" not in show
     assert "iso_c+budget+ri" in show  # the front of every row; iso_c+budget is on the data-free one
     assert {"iso_c", "safe_merge", "ties", "dop+lines", "opcm+lines"} <= show  # plain rows, family bests
+
+
+def test_distill_rows_extend_plain_variant_and_ri_rows_and_compare_with_them(tmp_path):
+    """`--distill-policies iso_c,iso_c+ri`: each named row once more with the distil post-step,
+    its +ri-ness kept, and the gains table sets each against the same row without the step."""
+    pols = [("iso_c", "", {"alpha": 2.0}), ("iso_c", "+ri", {"alpha": 2.0}), ("opcm", "+lines", {"alpha": 0.5})]
+    rows = quality.distill_rows(["iso_c", "iso_c+ri", "opcm+lines", "iso_c", "nosuch"], pols)
+    assert rows == [("iso_c", "+distill", {"alpha": 2.0}), ("iso_c", "+ri+distill", {"alpha": 2.0}),
+                    ("opcm", "+lines+distill", {"alpha": 0.5})]
+    rows[0][2]["alpha"] = 9.0
+    assert pols[0][2]["alpha"] == 2.0  # each row gets its own params
+    args = quality.build_parser().parse_args(["--distill-policies", "iso_c+ri", "--distill-steps", "50"])
+    assert args.distill_policies == "iso_c+ri" and args.distill_steps == 50 and args.distill_gamma == 0.3
+
+    doc = _doc()
+    base = doc["runs"][0]
+    ri, both = json.loads(json.dumps(base)), json.loads(json.dumps(base))
+    ri.update(variant="+ri")
+    ri["final"].update(H=80.0)
+    both.update(variant="+ri+distill")
+    both["final"].update(H=81.5, distill_seconds_mean=42.0)
+    doc["runs"] += [ri, both]
+    R.save_outputs(doc, tmp_path, lambda d, o: [])
+    md = (tmp_path / "quality.md").read_text()
+    assert "| dop+ri+distill | dop+ri | 1 | +1.5 |" in md
+    assert "| 42.0 |" in md.split("dop+ri+distill |", 1)[1].splitlines()[0]  # its distil seconds column
+    assert R.recommended_row(doc)["label"] == "dop"  # a row that needs data is never the default
