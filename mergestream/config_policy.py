@@ -1,5 +1,5 @@
 """The ``policy`` section of the daemon's configuration (:mod:`mergestream.config` reads the file):
-the policy and its parameters, the RI pre-step, the data-probe objective of coefficient searches and
+the policy and its parameters, the RI pre-step, the distil post-step, the data-probe objective of coefficient searches and
 the per-fold strength choice. Torch-free: a policy is built (to check its name and parameters) only
 through a deferred import.
 """
@@ -55,6 +55,27 @@ class RIConfig(_Section):
         "skip", description="an expert without a task head: fold it unadapted (skip) or reject it")
 
 
+class DistillConfig(_Section):
+    """The distil post-step, enabled with ``policy.postprocess: [distill]``.
+
+    After every fold the candidate backbone is trained for a few steps so that, through each task
+    head it carries (every accepted expert's task probe and the new expert's), it gives the outputs
+    of that task's own expert on the first ``examples_per_task`` inputs of the task probe (labels
+    are not used), while a similarity term keeps θ₀'s embedding geometry (:mod:`mergestream.distill`).
+    Each expert's outputs are computed from its kept copy. The published version is the distilled
+    one; the next fold starts from it. Unmerge replays (the step changes the backbone after the fold).
+    """
+
+    steps: int = Field(100, ge=0, description="AdamW steps per fold; 0 = identity")
+    lr: float = Field(1e-5, gt=0, description="AdamW learning rate")
+    gamma: float = Field(0.3, ge=0, description="weight of the similarity-preserving term toward θ₀ (0: off)")
+    batch_per_task: int = Field(8, ge=1, description="inputs of each task per step")
+    examples_per_task: int = Field(128, ge=1, description="first N inputs of each task probe (labels unused)")
+    max_length: int = Field(64, ge=1, description="tokens per input (Hugging Face features)")
+    time_budget_seconds: float | None = Field(600.0, ge=0, description="time budget per fold (s)")
+    forward: str | None = Field(None, description="package.module:factory returning a FeatureModel (as ri.forward)")
+
+
 class ObjectiveConfig(_Section):
     """The data-probe objective of CMA-ES coefficients (``mdm_oc`` with ``coefficients: cmaes``):
     maximise task_weight × mean task accuracy + general_weight × the sentence_similarity probe.
@@ -100,7 +121,10 @@ class PolicyConfig(_Section):
     unmerge_mode: Literal["subtract", "replay"] = Field(
         "subtract", description="how `unmerge EXPERT` removes an expert (default replay for a policy that cannot subtract)")
     preprocess: list[Literal["ri"]] = Field(default_factory=list, description="pre-steps applied to each expert")
+    postprocess: list[Literal["distill"]] = Field(default_factory=list,
+                                                  description="post-steps applied to each folded backbone")
     ri: RIConfig = Field(default_factory=RIConfig)
+    distill: DistillConfig = Field(default_factory=DistillConfig)
     objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig)
     strength: StrengthConfig = Field(default_factory=StrengthConfig)
 
@@ -116,22 +140,25 @@ class PolicyConfig(_Section):
                 pol = _make_policy(data.get("name", RECOMMENDED_POLICY), data.get("params") or {})
             except Exception:  # noqa: BLE001 - any malformed name or params: reported by the checks below
                 return data
-            if not pol.subtract_unmerge:  # e.g. Iso-C: replay is its only unmerge
+            if not pol.subtract_unmerge or "distill" in (data.get("postprocess") or []):  # e.g. Iso-C
                 data = {**data, "unmerge_mode": "replay"}
         return data
 
     @model_validator(mode="after")
     def _unmerge_mode_fits(self) -> PolicyConfig:
+        if self.unmerge_mode == "subtract" and "distill" in self.postprocess:
+            raise ValueError("postprocess [distill] changes the backbone after each fold, which subtract cannot "
+                             "remove: set policy.unmerge_mode: replay")
         if _CHECK_POLICY.get() and self.unmerge_mode == "subtract" and not (pol := self.make()).subtract_unmerge:
             raise ValueError(f"policy {self.name} cannot unmerge by subtract ({pol.no_subtract_reason}): "
                              "set policy.unmerge_mode: replay")
         return self
 
-    @field_validator("preprocess")
+    @field_validator("preprocess", "postprocess")
     @classmethod
     def _unique(cls, v: list[str]) -> list[str]:
         if len(set(v)) != len(v):
-            raise ValueError("each pre-step may appear once")
+            raise ValueError("each step may appear once")
         return v
 
     @model_validator(mode="after")

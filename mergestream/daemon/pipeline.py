@@ -7,7 +7,8 @@ is discarded with its reason. Every attempt, whatever its end, is recorded the s
 ledger, ``fold.json``, Prometheus metrics, an MLflow run) by :meth:`Pipeline.conclude` from an
 :class:`Attempt` and its :class:`Outcome`.
 
-Pre-steps and data-driven extras of a fold: the RI pre-step (``policy.preprocess: [ri]``) and the
+Pre-steps and data-driven extras of a fold: the RI pre-step (``policy.preprocess: [ri]``), the
+distil post-step (``policy.postprocess: [distill]``, after the fold or unmerge, before the probes) and the
 coefficient search's probe objective (a policy whose ``searches_coefficients()`` is true) live in
 :mod:`.prestep`, the per-fold strength choice (``policy.strength: auto``) in :mod:`.strength`; the
 probes themselves in :mod:`.probes` (run through :class:`.probing.Prober`).
@@ -270,6 +271,11 @@ class Pipeline:
             dup = self.ledger.settle_identity(row.expert_id, arrival, sha, {**row.metadata, HASH_KEY: HASH_KIND})
             if dup is not None:
                 raise _Duplicate(dup)
+        if "distill" in pol.postprocess:  # the backbone trained toward each task's expert (.prestep)
+            try:
+                self.presteps.distill(att, (row.expert_id, att.candidate_expert))
+            except PreStepRejected as exc:
+                return Outcome("rejected", self._as_arrived(row, str(exc)), "postprocess")
         att.timings["fold_seconds"] = rep.seconds
         self.metrics.bytes_read.inc(rep.bytes_read)
         self.metrics.bytes_written.inc(rep.bytes_written)
@@ -336,6 +342,8 @@ class Pipeline:
             self.store.carry_state(att.staging / "state")
             engine.unmerge(att.staging / "state", expert_id, mode, out=att.staging / "model",
                            backbone=cur / "model", base=self.cfg.base, options=self.options())
+            if "distill" in self.cfg.policy.postprocess:  # the remaining tasks, toward their experts
+                self.presteps.distill(att, None, exclude=expert_id)
             outcome = self.probe_and_gate(att)
             self.conclude(att, outcome)
         except (MergestreamError, OSError):

@@ -1,5 +1,7 @@
 """A fold's data-driven extras: the RI pre-step that adapts an expert before it is folded
-(``policy.preprocess: [ri]``), and the probe objective of a policy that searches its coefficients.
+(``policy.preprocess: [ri]``), the distil post-step that trains the folded backbone toward every
+task's expert (``policy.postprocess: [distill]``), and the probe objective of a policy that searches
+its coefficients.
 
 ``coefficients: adamerging`` gets :class:`~mergestream.engine.coefficients.EntropyObjective` instead: the
 task heads RI uses (every accepted expert's and the candidate's) on RI's unlabeled inputs
@@ -20,11 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Config
+from ..distill import DistillError, DistillParams, DistillTask, distill_backbone, teacher_outputs
 from ..engine.coefficients import EntropyObjective
 from ..errors import MergestreamError
 from ..policies import Policy
 from ..ri import RIError, RIParams, adapt_expert, load_feature_model, read_aux
-from ..text import has_tokenizer, load_head
+from ..text import has_tokenizer, load_head, read_labelled_jsonl
 from .objective import ProbeObjective
 from .probes import SentenceSimilarityProbe, discover_task_probe
 from .probing import Prober
@@ -35,7 +38,7 @@ log = logging.getLogger("mergestream.service")
 
 
 class PreStepRejected(MergestreamError):
-    """A pre-step (RI) refused the expert; it is rejected with this reason."""
+    """A pre-step (RI) or the distil post-step refused the expert; it is rejected with this reason."""
 
 
 class StopRequested(Exception):
@@ -56,6 +59,7 @@ class PreSteps:
     def __init__(self, cfg: Config, prober: Prober, heartbeat: Callable[..., None], kept: KeptExperts | None = None):
         self.cfg, self.prober, self.heartbeat = cfg, prober, heartbeat
         self.kept = kept or KeptExperts(cfg.state_dir)
+        self._teachers: dict[tuple[str, str, str], DistillTask] = {}
 
     def ri_dir(self, expert_id: str) -> Path:
         """Where an expert's RI-adapted copy is kept (``state_dir/ri/<expert>``)."""
@@ -159,3 +163,67 @@ class PreSteps:
         return EntropyObjective(base, {s.task: load_head(s.head, s.task) for s in specs},
                                 read_aux(rc.data, oc.adamerging_examples), feature_model=fm,
                                 batch_size=rc.batch_size, device=self.cfg.device, on_eval=self.heartbeat)
+
+    def distill(self, att: Any, candidate: tuple[str, Path | None] | None, exclude: str | None = None) -> None:
+        """The distil post-step on the candidate backbone ``att.staging/model``, in place
+        (:func:`mergestream.distill.distill_backbone`, ``policy.distill``): the tasks are every
+        accepted expert's task probe but ``exclude``'s (an unmerge) and ``candidate``'s own,
+        ``(expert id, its folder)``; each task's target is its expert's outputs (the kept copy; the
+        candidate's folder) on the first ``examples_per_task`` inputs of its probe, computed once per
+        expert. No task probe at all: the step is skipped (recorded). Records timings and
+        ``fold.json``'s ``distill``.
+
+        Raises:
+            PreStepRejected: the step cannot run (an expert or its head does not fit the features,
+                a malformed probe, a non-finite loss).
+            StopRequested: a stop was asked during the step.
+        """
+        dc = self.cfg.policy.distill
+        pairs: list[tuple[str, Any, Path | None]] = [(eid, spec, self.kept.path(eid))
+                                                     for eid, spec in self.prober.accepted_task_probes() if eid != exclude]
+        if candidate is not None and candidate[1] is not None and (own := discover_task_probe(candidate[1])) is not None:
+            pairs.append((candidate[0], own, candidate[1]))
+        if not pairs:
+            log.warning("distil post-step skipped: no folded expert ships a task probe (mergestream_probe/)")
+            att.extra["distill"] = {"skipped": "no task probe"}
+            return
+        base = Path(self.cfg.base)
+        params = DistillParams(steps=dc.steps, lr=dc.lr, gamma=dc.gamma, batch_per_task=dc.batch_per_task,
+                               max_length=dc.max_length, time_budget_seconds=dc.time_budget_seconds)
+        try:
+            fm = load_feature_model(dc.forward, tokenizer=base, pooling=pairs[-1][1].pooling, max_length=dc.max_length)
+            tasks = [self._teacher(eid, spec, folder, fm) for eid, spec, folder in pairs]
+
+            def progress(step: int, loss: float) -> None:
+                self.heartbeat()
+                if step % 20 == 0 or step == params.steps:
+                    log.info("distil step=%d/%d loss=%.5g", step, params.steps, loss)
+
+            t = time.time()
+            model = att.staging / "model"
+            _, res = distill_backbone(model, base, model, tasks=tasks, params=params, feature_model=fm,
+                                      cache_dir=self.cfg.state_dir / "cache", device=self.cfg.device, progress=progress)
+        except MergestreamError as exc:  # DistillError, RIError (the feature model), ProbeError (a probe file)
+            raise PreStepRejected(f"distil post-step: {exc}") from exc
+        att.timings.update(distill_seconds=time.time() - t, distill_steps=float(res.steps),
+                           distill_kl_before=res.kl_before, distill_kl_after=res.kl_after)
+        att.extra["distill"] = {**res.to_json(), "experts": [eid for eid, _, _ in pairs]}
+
+    def _teacher(self, expert_id: str, spec: Any, folder: Path | None, fm: Any) -> DistillTask:
+        """One task of the distil step: its probe's inputs and its expert's outputs on them (cached per
+        expert id, probe and feature model: an id names one content).
+
+        Raises:
+            DistillError: the expert's copy is not kept, or it or its head does not fit the features.
+            ProbeError: a malformed probe file.
+        """
+        key = (expert_id, str(spec.data), fm.identity)
+        if key not in self._teachers:
+            if folder is None:
+                raise DistillError(f"expert {expert_id}'s copy is not kept: its task {spec.task} has no teacher")
+            rows = read_labelled_jsonl(spec.data, self.cfg.policy.distill.examples_per_task)
+            inputs = [(t, t2) for t, t2, _ in rows]
+            head = load_head(spec.head, spec.task)
+            self._teachers[key] = DistillTask(spec.task, head, inputs,
+                                              teacher_outputs(fm, folder, head, inputs, device=self.cfg.device))
+        return self._teachers[key]

@@ -37,14 +37,19 @@ class Prober:
             self._probes = [make_probe(p.type, **p.params) for p in self.cfg.probes]
         return self._probes
 
-    def task_specs(self, extra: Path | None = None) -> list[Any]:
-        """Task probes of the accepted experts, plus ``extra``'s (a candidate expert folder) if it ships one."""
-        specs = []
+    def accepted_task_probes(self) -> list[tuple[str, Any]]:
+        """(expert id, task probe) of every accepted expert that shipped one, in ledger order."""
+        out = []
         for row in self.ledger.experts():
             if row.status == "accepted":
                 spec = discover_task_probe(self.cfg.state_dir / "tasks" / row.expert_id)
                 if spec is not None:
-                    specs.append(spec)
+                    out.append((row.expert_id, spec))
+        return out
+
+    def task_specs(self, extra: Path | None = None) -> list[Any]:
+        """Task probes of the accepted experts, plus ``extra``'s (a candidate expert folder) if it ships one."""
+        specs = [spec for _, spec in self.accepted_task_probes()]
         if extra is not None and (spec := discover_task_probe(extra)) is not None:
             specs.append(spec)
         return specs

@@ -75,8 +75,8 @@ class Outcome:
     Attributes:
         decision: ``accepted``, ``rejected`` or ``failed``.
         reason: why it was not accepted (None when accepted).
-        stage: where a rejection happened (``validation``, ``preprocess``, ``gate``), the label
-            of ``mergestream_experts_rejected_total``.
+        stage: where a rejection happened (``validation``, ``preprocess``, ``postprocess``, ``gate``),
+            the label of ``mergestream_experts_rejected_total``.
         probes: the candidate's probe values (empty when it was never probed).
     """
 

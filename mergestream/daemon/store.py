@@ -238,6 +238,12 @@ class KeptExperts:
         """``<state>/<kind>/<expert_id>``: where an expert's kept files live."""
         return self.root / kind / expert_id
 
+    def path(self, expert_id: str) -> Path | None:
+        """The kept copy of an expert (``experts/<id>/<name>``), or None when none is kept."""
+        home = self.dir(expert_id)
+        kept = [p for p in home.iterdir() if not p.name.startswith(".")] if home.is_dir() else []
+        return kept[0] if len(kept) == 1 else None
+
     def keep(self, src: str | os.PathLike, expert_id: str, root: str | os.PathLike | None = None) -> Path:
         """Link or copy the expert at ``src`` (a file or a folder) into ``experts/<id>/``, or reuse
         the copy already kept for this id (an id names one content: a retried expert whose
@@ -258,9 +264,8 @@ class KeptExperts:
         """
         src, home = Path(src), self.dir(expert_id)
         if home.is_dir():
-            kept = [p for p in home.iterdir() if not p.name.startswith(".")]
-            if len(kept) == 1:
-                return kept[0]
+            if (kept := self.path(expert_id)) is not None:
+                return kept
             shutil.rmtree(home)  # not ours (never renamed into place half-done): start again
         if not src.exists():
             raise FileNotFoundError(errno.ENOENT, "expert is gone", str(src))

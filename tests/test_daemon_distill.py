@@ -1,0 +1,150 @@
+"""The distil post-step in the daemon (``policy.postprocess: [distill]``): a real service on a tiny
+BERT whose experts ship task probes; folds, an unmerge, an expert without a probe, one whose head
+does not fit, and the config's rules."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from mergestream import engine
+from mergestream.config import Config
+from mergestream.daemon.service import Service
+from mergestream.daemon.sources import ExpertReady
+from mergestream.distill import teacher_outputs
+from mergestream.ri import HFEncoderFeatures
+from mergestream.text import load_head, read_labelled_jsonl
+
+from .conftest import make_hf_expert, save_tensors
+from .test_daemon_datadriven import fold_doc, ship_probe, statuses
+from .test_probes import bert, sentences, tok_dir  # noqa: F401 - fixtures
+
+H = 32
+DISTIL = {"name": "iso_c", "params": {"alpha": 1.0}, "postprocess": ["distill"],
+          "distill": {"steps": 12, "lr": 1e-3, "batch_per_task": 8, "examples_per_task": 16}}
+
+
+@pytest.fixture(scope="module")
+def experts(bert, tmp_path_factory) -> list[Path]:
+    root = tmp_path_factory.mktemp("dist")
+    out = []
+    for i in range(3):
+        e = make_hf_expert(bert, root / f"e{i}", seed=20 + i, scale=0.08)
+        out.append(ship_probe(e, f"task{i}", seed=i) if i < 2 else e)  # e2 ships no probe
+    return out
+
+
+def service(tmp_path: Path, base: Path, policy: dict) -> Service:
+    c = Config(base=base, inbox=tmp_path / "inbox", state_dir=tmp_path / "state", metrics={"enabled": False},
+               mlflow={"enabled": False}, policy=policy, gate={"rules": []})
+    svc = Service(c, serve_metrics=False, watch_sources=False)
+    svc.start()
+    return svc
+
+
+def feed(svc: Service, experts: list[Path]) -> None:
+    for e in experts:
+        svc.on_expert_ready(ExpertReady(source="folder", uri=str(e), expert_id=e.name))
+        assert svc.step()
+
+
+def kl_to_experts(model: Path, experts: list[Path], base: Path) -> float:
+    """Mean KL of ``model``'s task outputs to each expert's own, on its probe inputs (computed here)."""
+    fm = HFEncoderFeatures(base, max_length=64)
+    m = fm.load(model, torch.device("cpu"))
+    total = 0.0
+    for e in experts:
+        p = e / "mergestream_probe"
+        head = load_head(p / "head.safetensors", "t")
+        inputs = [(t, t2) for t, t2, _ in read_labelled_jsonl(p / "probe.jsonl", 16)]
+        target = teacher_outputs(fm, e, head, inputs)
+        with torch.no_grad():
+            lp = torch.log_softmax(fm.features(m, inputs) @ head[0].T + head[1], -1)
+        total += float(torch.nn.functional.kl_div(lp, target, log_target=True, reduction="batchmean"))
+    return total / len(experts)
+
+
+def test_each_fold_is_distilled_toward_every_task_and_recorded(bert, experts, tmp_path):
+    svc = service(tmp_path, bert, DISTIL)
+    try:
+        feed(svc, experts[:2])
+    finally:
+        svc.shutdown()
+    assert statuses(svc) == {"e0": "accepted", "e1": "accepted"}
+    first, second = fold_doc(tmp_path, 1), fold_doc(tmp_path, 2)
+    assert first["distill"]["experts"] == ["e0"] and second["distill"]["experts"] == ["e0", "e1"]
+    assert second["distill"]["tasks"] == ["task0", "task1"] and second["distill"]["steps"] == 12
+    assert second["distill"]["kl_after"] < second["distill"]["kl_before"]
+    assert second["timings"]["distill_seconds"] > 0
+    # the published version is closer to both experts than the same folds without the step
+    plain = tmp_path / "plain"
+    prev = None
+    for i, e in enumerate(experts[:2]):
+        engine.fold(bert, prev, e, "iso_c", {"alpha": 1.0}, state_dir=plain / "state", out=plain / f"v{i + 1}")
+        prev = plain / f"v{i + 1}"
+    published = tmp_path / "state" / "versions" / "000002" / "model"
+    assert kl_to_experts(published, experts[:2], bert) < kl_to_experts(prev, experts[:2], bert)
+    # a replay unmerge is the default with the step; subtract is refused when the config loads
+    assert svc.cfg.policy.unmerge_mode == "replay"
+    with pytest.raises(ValidationError, match="postprocess \\[distill\\] changes the backbone"):
+        Config(base=bert, inbox=tmp_path / "i", state_dir=tmp_path / "s", policy={**DISTIL, "unmerge_mode": "subtract"})
+
+
+def test_unmerge_distils_the_remaining_tasks_only(bert, experts, tmp_path):
+    svc = service(tmp_path, bert, DISTIL)
+    try:
+        feed(svc, experts[:2])
+        assert "e0 unmerged" in svc.unmerge("e0")
+    finally:
+        svc.shutdown()
+    doc = fold_doc(tmp_path, 3)
+    assert doc["kind"] == "unmerge" and doc["distill"]["experts"] == ["e1"] and doc["experts"] == ["e1"]
+
+
+def test_experts_without_a_probe_and_a_probe_that_does_not_fit(bert, experts, tmp_path):
+    svc = service(tmp_path / "none", bert, DISTIL)
+    try:
+        feed(svc, [experts[2]])  # no task probe anywhere: the step is skipped, the fold published
+    finally:
+        svc.shutdown()
+    assert statuses(svc) == {"e2": "accepted"}
+    assert fold_doc(tmp_path / "none", 1)["distill"] == {"skipped": "no task probe"}
+
+    bad = tmp_path / "bad" / "e3"
+    shutil.copytree(experts[1], bad)
+    save_tensors(bad / "mergestream_probe" / "head.safetensors",
+                 {"weight": torch.randn(3, H + 1), "bias": torch.zeros(3)})  # a head for another hidden size
+    svc = service(tmp_path / "run", bert, DISTIL)
+    try:
+        feed(svc, [experts[0], bad])
+        current = svc.store.current()
+    finally:
+        svc.shutdown()
+    assert statuses(svc) == {"e0": "accepted", "e3": "rejected"}
+    assert current == 1  # nothing of e3 was published
+    from mergestream.daemon.ledger import Ledger
+
+    led = Ledger(tmp_path / "run" / "state" / "ledger.sqlite")
+    try:
+        reason = led.expert("e3").reason
+    finally:
+        led.close()
+    assert reason.startswith("distil post-step:") and "does not fit" in reason
+    assert str(tmp_path / "run" / "state" / "experts") not in reason  # named as it arrived, not the kept copy
+
+
+def test_config_defaults_and_bad_values(bert, tmp_path):
+    c = Config(base=bert, inbox=tmp_path / "i", state_dir=tmp_path / "s", policy={"name": "task_arithmetic",
+                                                                                 "postprocess": ["distill"]})
+    assert c.policy.unmerge_mode == "replay" and c.policy.distill.steps == 100 and c.policy.distill.gamma == 0.3
+    for bad in ({"postprocess": ["distill", "distill"]}, {"postprocess": ["other"]},
+                {"postprocess": ["distill"], "distill": {"gamma": -1}}, {"distill": {"lr": 0}},
+                {"distill": {"steps": 10, "nosuch": 1}}):
+        with pytest.raises(ValidationError):
+            Config(base=bert, inbox=tmp_path / "i", state_dir=tmp_path / "s", policy={"name": "task_arithmetic", **bad})
+    json.dumps(c.policy.distill.model_dump())  # a plain record
