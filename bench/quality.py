@@ -530,7 +530,9 @@ def ri_rows(wanted: list[str], runs: list[dict[str, Any]], pols: list[tuple[str,
 
 def distill_rows(wanted: list[str], rows: list[tuple[str, str, dict[str, Any]]]) -> list[tuple[str, str, dict[str, Any]]]:
     """The +distill rows to run, each once, in the order of ``--distill-policies``: a name is the
-    label of a row in ``rows`` (plain, variant or +ri); a name that is none is dropped.
+    label of a row in ``rows`` (plain, variant or +ri), or a row's label + "+ri" (with RI, whether
+    or not ``--ri-policies`` runs that +ri row: its "best" may name another policy); a name that is
+    none is dropped.
 
     Returns:
         (policy, variant + "+distill", params) per row.
@@ -538,8 +540,11 @@ def distill_rows(wanted: list[str], rows: list[tuple[str, str, dict[str, Any]]])
     out: list[tuple[str, str, dict[str, Any]]] = []
     for name in dict.fromkeys(wanted):
         src = next((p for p in rows if p[0] + p[1] == name), None)
+        ri = ""
+        if src is None and name.endswith("+ri"):
+            src, ri = next((p for p in rows if p[0] + p[1] == name[:-3]), None), "+ri"
         if src is not None:
-            out.append((src[0], src[1] + "+distill", dict(src[2])))
+            out.append((src[0], src[1] + ri + "+distill", dict(src[2])))
     return out
 
 

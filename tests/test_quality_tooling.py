@@ -493,9 +493,12 @@ def test_distill_rows_extend_plain_variant_and_ri_rows_and_compare_with_them(tmp
     """`--distill-policies iso_c,iso_c+ri`: each named row once more with the distil post-step,
     its +ri-ness kept, and the gains table sets each against the same row without the step."""
     pols = [("iso_c", "", {"alpha": 2.0}), ("iso_c", "+ri", {"alpha": 2.0}), ("opcm", "+lines", {"alpha": 0.5})]
-    rows = quality.distill_rows(["iso_c", "iso_c+ri", "opcm+lines", "iso_c", "nosuch"], pols)
+    rows = quality.distill_rows(["iso_c", "iso_c+ri", "opcm+lines", "iso_c", "nosuch", "nosuch+ri"], pols)
     assert rows == [("iso_c", "+distill", {"alpha": 2.0}), ("iso_c", "+ri+distill", {"alpha": 2.0}),
                     ("opcm", "+lines+distill", {"alpha": 0.5})]
+    # a +ri row --ri-policies does not run ("best" named another policy) is still a +ri+distill row
+    assert quality.distill_rows(["iso_c+ri", "opcm+lines+ri"], [pols[0], pols[2]]) == [
+        ("iso_c", "+ri+distill", {"alpha": 2.0}), ("opcm", "+lines+ri+distill", {"alpha": 0.5})]
     rows[0][2]["alpha"] = 9.0
     assert pols[0][2]["alpha"] == 2.0  # each row gets its own params
     args = quality.build_parser().parse_args(["--distill-policies", "iso_c+ri", "--distill-steps", "50"])
