@@ -148,3 +148,38 @@ def test_config_defaults_and_bad_values(bert, tmp_path):
         with pytest.raises(ValidationError):
             Config(base=bert, inbox=tmp_path / "i", state_dir=tmp_path / "s", policy={"name": "task_arithmetic", **bad})
     json.dumps(c.policy.distill.model_dump())  # a plain record
+
+
+class _FailingFeatures:
+    """A user's FeatureModel whose forward fails the way a real one can (memory)."""
+
+    identity = "tests.failing"
+
+    def load(self, path: Path, device: torch.device) -> torch.nn.Module:
+        return torch.nn.Linear(2, 2)
+
+    def features(self, model: torch.nn.Module, items) -> torch.Tensor:
+        raise RuntimeError("CUDA out of memory (simulated by the test's feature model)")
+
+
+def make_failing_features() -> _FailingFeatures:
+    return _FailingFeatures()
+
+
+def test_a_step_that_crashes_fails_the_fold_and_the_daemon_goes_on(bert, experts, tmp_path):
+    policy = {**DISTIL, "distill": {**DISTIL["distill"], "forward": "tests.test_daemon_distill:make_failing_features"}}
+    svc = service(tmp_path, bert, policy)
+    try:
+        feed(svc, experts[:2])  # each fold fails; the queue moves on
+        current = svc.store.current()
+    finally:
+        svc.shutdown()
+    assert statuses(svc) == {"e0": "failed", "e1": "failed"} and current is None
+    assert not [p for p in (tmp_path / "state").rglob("staging*") if p.is_dir() and any(p.iterdir())]
+    from mergestream.daemon.ledger import Ledger
+
+    led = Ledger(tmp_path / "state" / "ledger.sqlite")
+    try:
+        assert "distil post-step: RuntimeError: CUDA out of memory" in led.expert("e1").reason
+    finally:
+        led.close()

@@ -276,6 +276,11 @@ class Pipeline:
                 self.presteps.distill(att, (row.expert_id, att.candidate_expert))
             except PreStepRejected as exc:
                 return Outcome("rejected", self._as_arrived(row, str(exc)), "postprocess")
+            except (StopRequested, OSError):
+                raise
+            except Exception as exc:  # a bug or an environment problem (memory): record it, keep serving
+                log.exception("distil post-step of %s failed", row.expert_id)
+                return Outcome("failed", self._as_arrived(row, f"distil post-step: {type(exc).__name__}: {exc}"))
         att.timings["fold_seconds"] = rep.seconds
         self.metrics.bytes_read.inc(rep.bytes_read)
         self.metrics.bytes_written.inc(rep.bytes_written)

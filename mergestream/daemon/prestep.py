@@ -179,19 +179,23 @@ class PreSteps:
             StopRequested: a stop was asked during the step.
         """
         dc = self.cfg.policy.distill
-        pairs: list[tuple[str, Any, Path | None]] = [(eid, spec, self.kept.path(eid))
-                                                     for eid, spec in self.prober.accepted_task_probes() if eid != exclude]
-        if candidate is not None and candidate[1] is not None and (own := discover_task_probe(candidate[1])) is not None:
-            pairs.append((candidate[0], own, candidate[1]))
-        if not pairs:
-            log.warning("distil post-step skipped: no folded expert ships a task probe (mergestream_probe/)")
-            att.extra["distill"] = {"skipped": "no task probe"}
-            return
         base = Path(self.cfg.base)
         params = DistillParams(steps=dc.steps, lr=dc.lr, gamma=dc.gamma, batch_per_task=dc.batch_per_task,
                                max_length=dc.max_length, time_budget_seconds=dc.time_budget_seconds)
         try:
-            fm = load_feature_model(dc.forward, tokenizer=base, pooling=pairs[-1][1].pooling, max_length=dc.max_length)
+            pairs: list[tuple[str, Any, Path | None]] = [
+                (eid, spec, self.kept.path(eid)) for eid, spec in self.prober.accepted_task_probes() if eid != exclude]
+            if candidate is not None and candidate[1] is not None and \
+                    (own := discover_task_probe(candidate[1])) is not None:
+                pairs.append((candidate[0], own, candidate[1]))
+            if not pairs:
+                log.warning("distil post-step skipped: no folded expert ships a task probe (mergestream_probe/)")
+                att.extra["distill"] = {"skipped": "no task probe"}
+                return
+            # the tokenizer: θ₀'s, else the first expert folder that ships one (as RI takes the expert's)
+            tok = base if has_tokenizer(base) else next((f for _, _, f in pairs if f is not None and has_tokenizer(f)),
+                                                        base)
+            fm = load_feature_model(dc.forward, tokenizer=tok, pooling=pairs[-1][1].pooling, max_length=dc.max_length)
             tasks = [self._teacher(eid, spec, folder, fm) for eid, spec, folder in pairs]
 
             def progress(step: int, loss: float) -> None:

@@ -1,0 +1,100 @@
+"""Choose the distil post-step's γ (``mergestream.distill``) on validation rows, never test rows.
+
+Folds the 8 real MiniLM experts of ``bench/results/quality.json`` with Iso-C at its tuned
+parameters (order-free: the one-shot merge of all 8), then distils that backbone once per γ toward
+every expert (``--steps`` AdamW steps, ``--aux`` unlabeled train inputs per task), and reports ACC,
+G and H on the validation rows carved before the experts were trained with G on STS-B *dev*
+(what chooses γ), and on the benchmark's test rows (for the record only).
+
+    .venv/bin/python bench/distill_gamma.py --gammas 0.1,0.3,1.0 --steps 100 --aux 128 \
+        --json bench/results/distill_gamma.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+import quality as Q  # noqa: E402
+import torch  # noqa: E402
+from quality_report import hmean  # noqa: E402
+from quality_setup import RESULTS, validation_rows  # noqa: E402
+
+from mergestream import experts as X  # noqa: E402
+from mergestream.distill import DistillParams, DistillTask, distill_backbone, teacher_outputs  # noqa: E402
+from mergestream.ri import HFEncoderFeatures  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="the distil step's gamma on validation rows")
+    ap.add_argument("--gammas", default="0.1,0.3,1.0")
+    ap.add_argument("--steps", type=int, default=DistillParams().steps)
+    ap.add_argument("--aux", type=int, default=128, help="unlabeled train inputs per task")
+    ap.add_argument("--quality-json", default=str(RESULTS / "quality.json"),
+                    help="the benchmark whose experts, data and Iso-C tuning are used")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", default=None, help="write the table as JSON here")
+    args = ap.parse_args(argv)
+    X._offline()
+    torch.set_num_threads(args.threads)
+    doc = json.loads(Path(args.quality_json).read_text())
+    proto = doc["protocol"]
+    tasks = proto["tasks"]
+    experts = {t: Path(p) for t, p in proto["experts"].items()}
+    data = Path(proto["data"])
+    iso = {"alpha": proto["tuning"]["iso_c"]["chosen"], "lambda": proto["tuning"]["task_arithmetic"]["chosen"]}
+    test = Q.Evaluator.on_test_rows(tasks, experts, data, proto["eval_examples"], proto["sts_pairs"])
+    val = Q.Evaluator(test.tasks, test.heads, {t: validation_rows(data, t) for t in tasks},
+                      Q.read_sts_dev(data, proto["sts_pairs"] or 500), test.tok)
+    work = Path(tempfile.mkdtemp(prefix="ms-distil-gamma-"))
+    merged = Q.fold_stream(tasks, experts, "iso_c", iso, test, work, full_steps=False, log=lambda m: None,
+                           keep_final=True, threads=args.threads)["backbone"]
+    fm = HFEncoderFeatures(X.base_model_path(), max_length=DistillParams().max_length)
+    dtasks = []
+    for t in tasks:
+        inputs = [(r[0], r[1]) for r in X.subsample(test.tasks[t].train, args.aux, seed=5)]
+        dtasks.append(DistillTask(t, test.heads[t], inputs, teacher_outputs(fm, experts[t], test.heads[t], inputs)))
+
+    def measure(folder: Path) -> dict[str, dict[str, float]]:
+        out = {}
+        for name, ev in (("validation", val), ("test", test)):
+            accs, g = ev.measure(folder, tasks)
+            a = float(np.mean(list(accs.values())))
+            out[name] = {"ACC": a, "G": g, "H": hmean(a, g)}
+        return out
+
+    rows = [{"gamma": None, **measure(merged)}]
+    for gamma in [float(g) for g in args.gammas.split(",") if g]:
+        t0 = time.perf_counter()
+        out, res = distill_backbone(merged, X.base_model_path(), work / f"g{gamma}", tasks=dtasks,
+                                    params=DistillParams(steps=args.steps, gamma=gamma), feature_model=fm,
+                                    cache_dir=work / "cache")
+        rows.append({"gamma": gamma, "seconds": time.perf_counter() - t0, "kl_before": res.kl_before,
+                     "kl_after": res.kl_after, **measure(out)})
+    best = max(rows[1:], key=lambda r: r["validation"]["H"]) if len(rows) > 1 else None
+    print(f"Iso-C {iso} of {len(tasks)} experts, distil {args.steps} steps, {args.aux} inputs per task")
+    print("| gamma | val ACC | val G (dev) | val H | test ACC | test G | test H |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        v, t = r["validation"], r["test"]
+        print(f"| {'none' if r['gamma'] is None else r['gamma']} | {v['ACC']:.2f} | {v['G']:.2f} | {v['H']:.2f} | "
+              f"{t['ACC']:.2f} | {t['G']:.2f} | {t['H']:.2f} |")
+    if best is not None:
+        print(f"chosen on validation: gamma {best['gamma']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"command": " ".join(["bench/distill_gamma.py", *(argv or sys.argv[1:])]),
+                                               "iso_c": iso, "steps": args.steps, "aux": args.aux, "rows": rows,
+                                               "chosen": best["gamma"] if best else None}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
