@@ -153,10 +153,12 @@ def _kl(feats: torch.Tensor, head: Head, teacher_logp: torch.Tensor) -> torch.Te
     return F.kl_div(F.log_softmax(feats @ w.T + b, -1), teacher_logp, log_target=True, reduction="batchmean")
 
 
-def _check(tasks: Sequence[DistillTask], base_feats: dict[str, torch.Tensor]) -> None:
+def _check(tasks: Sequence[DistillTask], base_feats: Sequence[torch.Tensor]) -> None:
     if not tasks:
         raise DistillError("distil needs at least one task")
-    for t in tasks:
+    if len(base_feats) != len(tasks):
+        raise DistillError(f"{len(tasks)} tasks but θ₀ features for {len(base_feats)}")
+    for t, bf in zip(tasks, base_feats):
         n = len(t.inputs)
         w, b = t.head
         if n == 0:
@@ -168,22 +170,23 @@ def _check(tasks: Sequence[DistillTask], base_feats: dict[str, torch.Tensor]) ->
                                f"got {tuple(t.teacher_logp.shape)}")
         if not torch.isfinite(t.teacher_logp).all():
             raise DistillError(f"task {t.name!r}: teacher outputs are not finite")
-        bf = base_feats.get(t.name)
-        if bf is None or bf.dim() != 2 or bf.shape[0] != n or bf.shape[1] != w.shape[1]:
+        if bf.dim() != 2 or bf.shape[0] != n or bf.shape[1] != w.shape[1]:
             raise DistillError(f"task {t.name!r}: θ₀ features must be (N={n}, H={w.shape[1]}), "
-                               f"got {None if bf is None else tuple(bf.shape)}")
+                               f"got {tuple(bf.shape)}")
 
 
 def distill(model: torch.nn.Module, features: Callable[[torch.nn.Module, list[AuxItem]], torch.Tensor],
-            tasks: Sequence[DistillTask], base_feats: dict[str, torch.Tensor], params: DistillParams = DistillParams(),
+            tasks: Sequence[DistillTask], base_feats: Sequence[torch.Tensor], params: DistillParams = DistillParams(),
             *, progress: Callable[[int, float], None] | None = None) -> DistillResult:
     """Train ``model`` (the folded backbone, updated in place) on the distil objective.
 
     Args:
         model: the backbone's module; every floating parameter with ``requires_grad`` is trained.
         features: ``features(model, items) -> (B, H)`` float32 pooled features (differentiable).
-        tasks: every task seen so far (:class:`DistillTask`).
-        base_feats: f_θ₀ of each task's inputs, ``{name: (N, H) float32}``, row i for ``inputs[i]``.
+        tasks: every task seen so far (:class:`DistillTask`; two may share a name, e.g. a task's
+            retrained expert beside its first one).
+        base_feats: f_θ₀ of each task's inputs, one (N, H) float32 tensor per task in the order of
+            ``tasks``, row i for ``inputs[i]``.
         params: budgets and hyperparameters.
         progress: called after every step with (step, mini-batch loss).
 
@@ -203,7 +206,7 @@ def distill(model: torch.nn.Module, features: Callable[[torch.nn.Module, list[Au
     dev = next(model.parameters()).device
     heads = [(t.head[0].to(dev).float(), t.head[1].to(dev).float()) for t in tasks]
     teach = [t.teacher_logp.to(dev).float() for t in tasks]
-    bases = [base_feats[t.name].to(dev).float() for t in tasks]
+    bases = [b.to(dev).float() for b in base_feats]
 
     def loss_on(picks: list[list[int]], with_sim: bool) -> tuple[torch.Tensor, torch.Tensor]:
         kls, fs, bs = [], [], []
@@ -312,7 +315,7 @@ def distill_backbone(backbone: str | os.PathLike, base: str | os.PathLike, out: 
             feature model's parameters.
     """
     backbone, base, out = Path(backbone), Path(base), Path(out)
-    _check(tasks, {t.name: torch.empty(len(t.inputs), t.head[0].shape[1]) for t in tasks})
+    _check(tasks, [torch.empty(len(t.inputs), t.head[0].shape[1]) for t in tasks])
     if params.steps == 0:
         return backbone, DistillResult(tasks=[t.name for t in tasks])
     dev = torch.device(device)
@@ -324,7 +327,7 @@ def distill_backbone(backbone: str | os.PathLike, base: str | os.PathLike, out: 
             raise DistillError(str(exc)) from exc
     cache = Path(cache_dir) if cache_dir else None
     try:
-        bf = {t.name: base_features(feature_model, base, t.inputs, cache_dir=cache, device=dev) for t in tasks}
+        bf = [base_features(feature_model, base, t.inputs, cache_dir=cache, device=dev) for t in tasks]
         model = feature_model.load(backbone, dev)
     except RIError as exc:
         raise DistillError(str(exc)) from exc

@@ -136,7 +136,7 @@ def test_a_backbone_that_is_its_experts_teacher_stays_put(bert, experts, tasks):
     fm = HFEncoderFeatures(bert, max_length=16)
     model = fm.load(experts[0], torch.device("cpu"))
     only = [tasks[0]]
-    res = distill(model, fm.features, only, {"t0": torch.zeros(len(only[0].inputs), H)},
+    res = distill(model, fm.features, only, [torch.zeros(len(only[0].inputs), H)],
                   DistillParams(steps=3, lr=1e-4, gamma=0.0))
     assert res.kl_before == pytest.approx(0.0, abs=1e-6)
     assert res.kl_after < 1e-4
@@ -174,3 +174,12 @@ def test_inputs_that_do_not_fit_are_refused_before_any_step(bert, backbone, task
     with pytest.raises(DistillError, match="does not fit"):
         teacher_outputs(HFEncoderFeatures(bert, max_length=16), backbone, (torch.zeros(2, H + 1), torch.zeros(2)),
                         t.inputs)
+
+
+def test_two_experts_of_one_task_each_keep_their_own_inputs(bert, backbone, tasks, tmp_path):
+    """A task's retrained expert beside its first one: the same task name, other inputs (fewer here)."""
+    t0, t1 = tasks
+    again = DistillTask("t0", t1.head, t1.inputs[:12], t1.teacher_logp[:12])
+    out, res = distill_backbone(backbone, bert, tmp_path / "d", tasks=[t0, again],
+                                params=DistillParams(steps=3, lr=1e-3))
+    assert res.tasks == ["t0", "t0"] and res.steps == 3 and out.exists()
