@@ -28,7 +28,9 @@ def _make_policy(name: str, params: dict[str, Any]) -> Policy:
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # a number field takes finite values only: `.inf` or `.nan` in YAML is a config error, not a fold
+    # that fails later
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class RIConfig(_Section):
@@ -60,8 +62,8 @@ class DistillConfig(_Section):
 
     After every fold the candidate backbone is trained for a few steps so that, through each task
     head it carries (every accepted expert's task probe and the new expert's), it gives the outputs
-    of that task's own expert on the first ``examples_per_task`` inputs of the task probe (labels
-    are not used), while a similarity term keeps θ₀'s embedding geometry (:mod:`mergestream.distill`).
+    of that task's own expert on the first ``examples_per_task`` inputs of the task probe (their
+    labels are not used), while a similarity term keeps θ₀'s embedding geometry (:mod:`mergestream.distill`).
     Each expert's outputs are computed from its kept copy. The published version is the distilled
     one; the next fold starts from it. Unmerge replays (the step changes the backbone after the fold).
     """
@@ -70,7 +72,7 @@ class DistillConfig(_Section):
     lr: float = Field(1e-5, gt=0, description="AdamW learning rate")
     gamma: float = Field(0.3, ge=0, description="weight of the similarity-preserving term toward θ₀ (0: off)")
     batch_per_task: int = Field(8, ge=1, description="inputs of each task per step")
-    examples_per_task: int = Field(128, ge=1, description="first N inputs of each task probe (labels unused)")
+    examples_per_task: int = Field(128, ge=1, description="first N inputs of each task probe (their labels unused)")
     max_length: int = Field(64, ge=1, description="tokens per input (Hugging Face features)")
     time_budget_seconds: float | None = Field(600.0, ge=0, description="time budget per fold (s)")
     forward: str | None = Field(None, description="package.module:factory returning a FeatureModel (as ri.forward)")

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -79,14 +80,19 @@ class DistillParams:
     eval_examples: int = 32
 
     def __post_init__(self) -> None:
-        for name in ("steps", "lr", "gamma", "eval_examples"):
+        for name, least in (("steps", 0), ("batch_per_task", 1), ("max_length", 1), ("seed", 0),
+                            ("eval_examples", 1)):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or v != v or v in (float("inf"), float("-inf")) or v < 0:
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise DistillError(f"distil {name} must be a whole number >= {least}, got {v!r}")
+        for name in ("lr", "gamma", "time_budget_seconds"):
+            v = getattr(self, name)
+            if v is None and name == "time_budget_seconds":
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise DistillError(f"distil {name} must be a finite number >= 0, got {v!r}")
-        if self.lr <= 0 or self.batch_per_task < 1 or self.max_length < 1:
-            raise DistillError(f"invalid distil parameters {self}: lr > 0; batch_per_task, max_length >= 1")
-        if self.time_budget_seconds is not None and not self.time_budget_seconds >= 0:
-            raise DistillError("distil time_budget_seconds must be >= 0")
+        if self.lr == 0:
+            raise DistillError("distil lr must be > 0")
 
 
 @dataclass
@@ -282,7 +288,8 @@ def teacher_outputs(fm: FeatureModel, expert: str | os.PathLike, head: Head, inp
         for s in range(0, len(inputs), batch_size):
             f = fm.features(model, list(inputs[s:s + batch_size])).float().cpu()
             if f.shape[1] != w.shape[1]:
-                raise DistillError(f"head weight {tuple(w.shape)} does not fit the expert's features {tuple(f.shape)}")
+                raise DistillError(f"the head (weight {tuple(w.shape)}) takes features of size {w.shape[1]}, but the "
+                                   f"expert's features have size {f.shape[1]}: the head does not fit")
             out.append(F.log_softmax(f @ w.T + b, -1))
     del model
     return torch.cat(out)
@@ -298,9 +305,10 @@ def distill_backbone(backbone: str | os.PathLike, base: str | os.PathLike, out: 
     Args:
         backbone: the fold's output (a Hugging Face folder for the default features).
         base: θ₀ (same form), for the similarity term's features.
-        out: the folder written (``backbone`` itself to distil in place): one ``model.safetensors``
-            with the backbone's tensor names and dtypes, its other files, and its header metadata
-            plus ``mergestream.distill`` (the result and the parameters, JSON).
+        out: the folder written, which must not exist yet (or ``backbone`` itself, to distil in
+            place: it is replaced whole, staged and renamed): one ``model.safetensors`` with the
+            backbone's tensor names and dtypes, its other files, and its header metadata plus
+            ``mergestream.distill`` (the result and the parameters, JSON).
         tasks: every task seen so far (:class:`DistillTask`).
         feature_model: default :class:`~mergestream.ri.HFEncoderFeatures` with the backbone's
             tokenizer (the base's when it has none).
@@ -311,10 +319,16 @@ def distill_backbone(backbone: str | os.PathLike, base: str | os.PathLike, out: 
         ``backbone``.
 
     Raises:
-        DistillError: see :func:`distill`, plus a backbone whose tensor names do not match the
-            feature model's parameters.
+        DistillError: see :func:`distill`, plus a missing backbone or base, an ``out`` that exists
+            and is not the backbone, and a backbone whose tensor names do not match the feature
+            model's parameters.
     """
     backbone, base, out = Path(backbone), Path(base), Path(out)
+    for what, p in (("backbone", backbone), ("base", base)):
+        if not p.exists():
+            raise DistillError(f"distil {what} {p} does not exist")
+    if out.exists() and out.resolve() != backbone.resolve():
+        raise DistillError(f"distil output {out} exists and is not the backbone: give a new folder")
     _check(tasks, [torch.empty(len(t.inputs), t.head[0].shape[1]) for t in tasks])
     if params.steps == 0:
         return backbone, DistillResult(tasks=[t.name for t in tasks])

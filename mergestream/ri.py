@@ -379,10 +379,10 @@ class HFEncoderFeatures:
 
 
 def load_feature_model(spec: str | None, *, tokenizer: str | os.PathLike, pooling: str = "mean",
-                       max_length: int = 64) -> FeatureModel:
+                       max_length: int = 64, what: str = "ri.forward") -> FeatureModel:
     """The default :class:`HFEncoderFeatures`, or a user's: ``spec = "package.module:factory"`` where
     ``factory()`` returns a :class:`FeatureModel` (resolved with
-    :func:`mergestream.plugins.resolve_callable`).
+    :func:`mergestream.plugins.resolve_callable`). ``what``: the config key named in errors.
 
     Raises:
         RIError: the spec is malformed, cannot be imported, fails, or returns something without
@@ -390,7 +390,7 @@ def load_feature_model(spec: str | None, *, tokenizer: str | os.PathLike, poolin
     """
     if not spec:
         return HFEncoderFeatures(tokenizer, pooling, max_length)
-    factory = resolve_callable(spec, what="ri.forward", form="package.module:factory", error=RIError)
+    factory = resolve_callable(spec, what=what, form="package.module:factory", error=RIError)
     try:
         obj = factory()
     except Exception as exc:

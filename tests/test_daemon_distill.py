@@ -144,7 +144,9 @@ def test_config_defaults_and_bad_values(bert, tmp_path):
     assert c.policy.unmerge_mode == "replay" and c.policy.distill.steps == 100 and c.policy.distill.gamma == 0.3
     for bad in ({"postprocess": ["distill", "distill"]}, {"postprocess": ["other"]},
                 {"postprocess": ["distill"], "distill": {"gamma": -1}}, {"distill": {"lr": 0}},
-                {"distill": {"steps": 10, "nosuch": 1}}):
+                {"distill": {"steps": 10, "nosuch": 1}}, {"distill": {"gamma": float("inf")}},
+                {"distill": {"lr": float("nan")}}, {"ri": {"lr": float("inf")}},
+                {"distill": {"time_budget_seconds": float("inf")}}, {"objective": {"task_weight": float("nan")}}):
         with pytest.raises(ValidationError):
             Config(base=bert, inbox=tmp_path / "i", state_dir=tmp_path / "s", policy={"name": "task_arithmetic", **bad})
     json.dumps(c.policy.distill.model_dump())  # a plain record
@@ -183,3 +185,18 @@ def test_a_step_that_crashes_fails_the_fold_and_the_daemon_goes_on(bert, experts
         assert "distil post-step: RuntimeError: CUDA out of memory" in led.expert("e1").reason
     finally:
         led.close()
+
+
+@pytest.mark.parametrize("key,section", [("distill", "postprocess"), ("ri", "preprocess")])
+def test_a_feature_model_that_cannot_be_built_stops_the_start_naming_its_key(bert, tmp_path, key, section):
+    from mergestream.config import ConfigError
+
+    aux = tmp_path / "aux.txt"
+    aux.write_text("a b c\n")
+    policy = {"name": "task_arithmetic", section: [key], "unmerge_mode": "replay",
+              key: {"forward": "nope_module_xyz:make", **({"data": str(aux)} if key == "ri" else {})}}
+    c = Config(base=bert, inbox=tmp_path / "inbox", state_dir=tmp_path / "state", metrics={"enabled": False},
+               mlflow={"enabled": False}, policy=policy)
+    svc = Service(c, serve_metrics=False, watch_sources=False)
+    with pytest.raises(ConfigError, match=f"policy.{key}.forward"):
+        svc.start()

@@ -154,7 +154,9 @@ def test_distil_in_place_replaces_the_folder_whole(bert, backbone, tasks, tmp_pa
 
 
 @pytest.mark.parametrize("kw", [{"steps": -1}, {"lr": 0.0}, {"gamma": float("nan")}, {"gamma": -0.1},
-                                {"batch_per_task": 0}, {"time_budget_seconds": -1.0}])
+                                {"batch_per_task": 0}, {"time_budget_seconds": -1.0}, {"steps": 2.5},
+                                {"eval_examples": 0}, {"time_budget_seconds": "5"}, {"lr": float("inf")},
+                                {"gamma": float("inf")}, {"steps": True}, {"time_budget_seconds": float("inf")}])
 def test_bad_parameters_are_refused(kw):
     with pytest.raises(DistillError):
         DistillParams(**kw)
@@ -183,3 +185,23 @@ def test_two_experts_of_one_task_each_keep_their_own_inputs(bert, backbone, task
     out, res = distill_backbone(backbone, bert, tmp_path / "d", tasks=[t0, again],
                                 params=DistillParams(steps=3, lr=1e-3))
     assert res.tasks == ["t0", "t0"] and res.steps == 3 and out.exists()
+
+
+def test_an_existing_output_folder_is_never_replaced_and_a_missing_backbone_is_named(bert, backbone, tasks, tmp_path):
+    keep = tmp_path / "existing"
+    keep.mkdir()
+    (keep / "precious.txt").write_text("mine")
+    with pytest.raises(DistillError, match="exists and is not the backbone"):
+        distill_backbone(backbone, bert, keep, tasks=tasks, params=DistillParams(steps=2))
+    assert (keep / "precious.txt").read_text() == "mine"
+    with pytest.raises(DistillError, match="backbone .* does not exist"):
+        distill_backbone(tmp_path / "nosuch", bert, tmp_path / "d", tasks=tasks, params=DistillParams(steps=2))
+
+
+def test_the_model_card_names_the_step(bert, backbone, tasks, tmp_path):
+    from mergestream.io.model_card import write_model_card
+
+    out, _ = distill_backbone(backbone, bert, tmp_path / "d", tasks=tasks, params=DistillParams(steps=2, lr=1e-3))
+    card = write_model_card(out, base=bert).read_text()
+    assert "| distil post-step | `2 AdamW steps toward the experts of t0, t1 (gamma 0.3, lr 0.001)` |" in card
+    assert "distil post-step" not in write_model_card(backbone, base=bert).read_text()

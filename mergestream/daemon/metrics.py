@@ -30,7 +30,7 @@ class Metrics:
         r = self.registry = registry or CollectorRegistry()
         ns = "mergestream"
         self.experts_seen = Counter("experts_seen", "Distinct experts enqueued", ["source"], namespace=ns, registry=r)
-        self.experts_rejected = Counter("experts_rejected", "Experts rejected (validation or gate)", ["stage"],
+        self.experts_rejected = Counter("experts_rejected", "Experts rejected, by the stage that refused them", ["stage"],
                                         namespace=ns, registry=r)
         self.folds = Counter("folds", "Fold attempts by policy and outcome (accepted, rejected, failed)",
                              ["policy", "outcome"], namespace=ns, registry=r)

@@ -195,7 +195,8 @@ class PreSteps:
             # the tokenizer: θ₀'s, else the first expert folder that ships one (as RI takes the expert's)
             tok = base if has_tokenizer(base) else next((f for _, _, f in pairs if f is not None and has_tokenizer(f)),
                                                         base)
-            fm = load_feature_model(dc.forward, tokenizer=tok, pooling=pairs[-1][1].pooling, max_length=dc.max_length)
+            fm = load_feature_model(dc.forward, tokenizer=tok, pooling=pairs[-1][1].pooling, max_length=dc.max_length,
+                                    what="distill.forward")
             tasks = [self._teacher(eid, spec, folder, fm) for eid, spec, folder in pairs]
 
             def progress(step: int, loss: float) -> None:

@@ -69,8 +69,9 @@ class Service:
         Raises:
             LockedError: another daemon holds the state folder.
             ConfigError: the base is not a model, a probe cannot be built (unknown type, missing
-                data file), the metrics port cannot be bound, or ``policy.preprocess`` has ``ri``
-                and its auxiliary data cannot be read. Whatever was started is stopped again.
+                data file), the metrics port cannot be bound, ``policy.preprocess`` has ``ri``
+                and its auxiliary data cannot be read, or an enabled step's ``forward`` (``ri``,
+                ``distill``) cannot be built. Whatever was started is stopped again.
         """
         self._check_base()
         if "ri" in self.cfg.policy.preprocess:  # fail fast on a bad RI data file, before any work
@@ -81,6 +82,15 @@ class Service:
             except RIError as exc:
                 raise ConfigError(f"policy.ri.data: {exc}") from None
             log.info("ri pre-step enabled: %d auxiliary inputs from %s", n, self.cfg.policy.ri.data)
+        for key, on in (("ri", "ri" in self.cfg.policy.preprocess), ("distill", "distill" in self.cfg.policy.postprocess)):
+            spec = getattr(self.cfg.policy, key).forward
+            if on and spec:  # fail fast on a feature model that cannot be built, before any expert is blamed
+                from ..ri import RIError, load_feature_model
+
+                try:
+                    load_feature_model(spec, tokenizer=self.cfg.base, what=f"{key}.forward")
+                except RIError as exc:
+                    raise ConfigError(f"policy.{exc}") from None
         self.store.lock()
         try:
             self._start_locked()

@@ -144,8 +144,14 @@ def render_card(meta: Mapping[str, str], *, base_fields: Mapping[str, Any] | Non
             lines.append("")
     lines += ["## Merge", "", "| | |", "|---|---|", f"| policy | {_cell(policy)} |",
               f"| parameters | {_cell(json.dumps(params, sort_keys=True))} |", f"| base | {_cell(base_name)} |",
-              f"| folds | {_cell(meta.get('mergestream.n_folds', len(ids)))} |", f"| tool | {_cell('mergestream ' + tool)} |",
-              "", "## Experts, in fold order", ""]
+              f"| folds | {_cell(meta.get('mergestream.n_folds', len(ids)))} |", f"| tool | {_cell('mergestream ' + tool)} |"]
+    distil = _json(meta, "mergestream.distill", {})
+    if isinstance(distil, dict) and distil.get("steps"):  # the distil post-step trained these weights
+        p = distil.get("params") or {}
+        tasks = ", ".join(map(str, distil.get("tasks") or []))
+        what = f"{distil['steps']} AdamW steps toward the experts of {tasks} (gamma {p.get('gamma')}, lr {p.get('lr')})"
+        lines.append(f"| distil post-step | {_cell(what)} |")
+    lines += ["", "## Experts, in fold order", ""]
     if ids:
         lines += ["| # | expert | weights sha256 |", "|---|---|---|"]
         lines += [f"| {i} | {_cell(e)} | {_cell(s)} |" for i, (e, s) in enumerate(zip(ids, shas + [""] * len(ids)), 1)]
