@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import MergestreamError
-from .ri import AuxItem, FeatureModel, Head, HFEncoderFeatures, RIError, base_features, write_trained
+from .ri import AuxItem, FeatureModel, Head, HFEncoderFeatures, RIError, base_features, optimiser_step, write_trained
 
 log = logging.getLogger(__name__)
 
@@ -251,13 +251,7 @@ def distill(model: torch.nn.Module, features: Callable[[torch.nn.Module, list[Au
             picks.append(orders[k][:take])
             orders[k] = orders[k][take:]
         kl, sim = loss_on(picks, params.gamma > 0)
-        loss = kl + params.gamma * sim
-        if not torch.isfinite(loss):
-            raise DistillError(f"distil loss became non-finite at step {step}")
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        res.losses.append(float(loss.detach()))
+        res.losses.append(optimiser_step(opt, kl + params.gamma * sim, step, DistillError, "distil"))
         res.steps = step + 1
         if progress is not None:
             progress(res.steps, res.losses[-1])

@@ -260,13 +260,7 @@ def resolve_interference(model: torch.nn.Module, features: Callable[[torch.nn.Mo
         b, order = order[:bs], order[bs:]
         own, base_t = ri_terms(features(model, [aux[i] for i in b]).float(), teacher[b], base_features[b],
                                own_head, other_heads, params.alpha)
-        loss = own + base_t
-        if not torch.isfinite(loss):
-            raise RIError(f"RI loss became non-finite at step {step}")
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        res.losses.append(float(loss.detach()))
+        res.losses.append(optimiser_step(opt, own + base_t, step, RIError, "RI"))
         res.steps = step + 1
         if progress is not None:
             progress(res.steps, res.losses[-1])
@@ -288,6 +282,21 @@ def resolve_interference(model: torch.nn.Module, features: Callable[[torch.nn.Mo
     log.info("ri steps=%d best_step=%d stopped=%s seconds=%.1f loss_before=%.5g loss_after=%.5g other_heads=%d",
              res.steps, res.best_step, res.stopped, res.seconds, res.loss_before, res.loss_after, res.other_heads)
     return res
+
+
+def optimiser_step(opt: torch.optim.Optimizer, loss: torch.Tensor, step: int, error: type[MergestreamError],
+                   what: str) -> float:
+    """One update of ``opt`` on the scalar ``loss`` (gradients cleared first); returns the loss.
+
+    Raises:
+        error: the loss is NaN or infinite (``what`` names the step in the message).
+    """
+    if not torch.isfinite(loss):
+        raise error(f"{what} loss became non-finite at step {step}")
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    return float(loss.detach())
 
 
 class _BestIterate:
