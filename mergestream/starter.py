@@ -37,7 +37,7 @@ base: {base}
   #   lines_alpha: 0.5           # LiNeS: shallow blocks stay nearer θ₀ (with lines_beta)
   # Data-driven extras (docs/data-driven.md):
   # preprocess: [ri]            # RI pre-step: adapt each expert (that ships a task head) on unlabeled data;
-  #                            # the benchmark's best row is the recommended policy plus this step
+  #                            # the benchmark's best row is the recommended policy plus this step and distill below
   # ri: {{data: aux.txt, steps: 100, time_budget_seconds: 300, alpha: 1.0}}
   # postprocess: [distill]     # distil post-step: after each fold, train the backbone toward each task's
   #                            # expert on its task probe's inputs (experts ship mergestream_probe/);
