@@ -40,18 +40,24 @@ def recommended_row(doc: dict[str, Any]) -> dict[str, Any] | None:
     (no RI, no coefficient search), whose policy's state does not grow with the stream
     (``Policy.state_grows``: a daemon is left running on an open-ended stream) and that have every
     order of the protocol (file order + each shuffle) finished, the one with the best mean H over
-    the orders. None until such rows exist in a finished benchmark (every planned run done).
+    the orders. None until every planned run of such a row is done (a planned run of a row that
+    needs data cannot change the choice, so it is not waited for).
 
     Returns:
         {"label", "policy", "params", "H", "orders"}.
     """
+    def candidate(policy: str, variant: str) -> bool:
+        return not variant.endswith(_NEEDS_DATA) and policy in REGISTRY and not REGISTRY[policy].state_grows
+
     done = {(label(r), r["order_seed"]) for r in doc["runs"]}
-    if any((n, s) not in done for n, s in (tuple(x) for x in doc.get("planned_runs", []))):
-        return None
+    for n, s in (tuple(x) for x in doc.get("planned_runs", [])):
+        policy = n.split("+", 1)[0]
+        if candidate(policy, n[len(policy):]) and (n, s) not in done:
+            return None
     orders = {None, *range(doc["protocol"]["shuffles"])}
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in doc["runs"]:
-        if not r["variant"].endswith(_NEEDS_DATA) and not REGISTRY[r["policy"]].state_grows:
+        if candidate(r["policy"], r["variant"]):
             groups.setdefault(label(r), []).append(r)
     full = {n: rs for n, rs in groups.items() if {r["order_seed"] for r in rs} == orders}
     if not full:
