@@ -150,6 +150,9 @@ def test_config_defaults_and_bad_values(bert, tmp_path):
         with pytest.raises(ValidationError):
             Config(base=bert, inbox=tmp_path / "i", state_dir=tmp_path / "s", policy={"name": "task_arithmetic", **bad})
     json.dumps(c.policy.distill.model_dump())  # a plain record
+    with pytest.raises(ValidationError, match="patch_budget's bound"):
+        Config(base=bert, inbox=tmp_path / "i", state_dir=tmp_path / "s",
+               policy={"name": "iso_c", "params": {"patch_budget": 0.2}, "postprocess": ["distill"]})
 
 
 class _FailingFeatures:
