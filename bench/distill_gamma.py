@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gammas", default="0.1,0.3,1.0")
     ap.add_argument("--steps", type=int, default=DistillParams().steps)
     ap.add_argument("--aux", type=int, default=128, help="unlabeled train inputs per task")
+    ap.add_argument("--anchors", default="0",
+                    help="comma list of how many general anchor sentences (STS-B *train*) join the similarity term")
     ap.add_argument("--quality-json", default=str(RESULTS / "quality.json"),
                     help="the benchmark whose experts, data and Iso-C tuning are used")
     ap.add_argument("--threads", type=int, default=2)
@@ -71,28 +73,33 @@ def main(argv: list[str] | None = None) -> int:
             out[name] = {"ACC": a, "G": g, "H": hmean(a, g)}
         return out
 
-    rows = [{"gamma": None, **measure(merged)}]
-    for gamma in [float(g) for g in args.gammas.split(",") if g]:
-        t0 = time.perf_counter()
-        out, res = distill_backbone(merged, X.base_model_path(), work / f"g{gamma}", tasks=dtasks,
-                                    params=DistillParams(steps=args.steps, gamma=gamma), feature_model=fm,
-                                    cache_dir=work / "cache")
-        rows.append({"gamma": gamma, "seconds": time.perf_counter() - t0, "kl_before": res.kl_before,
-                     "kl_after": res.kl_after, **measure(out)})
+    general = Q.sts_train_sentences(data)
+    rows = [{"gamma": None, "anchors": 0, **measure(merged)}]
+    for n_anchor in [int(a) for a in args.anchors.split(",") if a]:
+        for gamma in [float(g) for g in args.gammas.split(",") if g]:
+            t0 = time.perf_counter()
+            out, res = distill_backbone(merged, X.base_model_path(), work / f"g{gamma}-a{n_anchor}", tasks=dtasks,
+                                        params=DistillParams(steps=args.steps, gamma=gamma),
+                                        anchors=X.subsample(general, n_anchor, seed=7) if n_anchor else (),
+                                        feature_model=fm, cache_dir=work / "cache")
+            rows.append({"gamma": gamma, "anchors": n_anchor, "seconds": time.perf_counter() - t0,
+                         "kl_before": res.kl_before, "kl_after": res.kl_after, **measure(out)})
+            print(json.dumps(rows[-1]), flush=True)
     best = max(rows[1:], key=lambda r: r["validation"]["H"]) if len(rows) > 1 else None
     print(f"Iso-C {iso} of {len(tasks)} experts, distil {args.steps} steps, {args.aux} inputs per task")
-    print("| gamma | val ACC | val G (dev) | val H | test ACC | test G | test H |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| gamma | anchors | val ACC | val G (dev) | val H | test ACC | test G | test H |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         v, t = r["validation"], r["test"]
-        print(f"| {'none' if r['gamma'] is None else r['gamma']} | {v['ACC']:.2f} | {v['G']:.2f} | {v['H']:.2f} | "
+        print(f"| {'none' if r['gamma'] is None else r['gamma']} | {r['anchors']} | {v['ACC']:.2f} | {v['G']:.2f} | {v['H']:.2f} | "
               f"{t['ACC']:.2f} | {t['G']:.2f} | {t['H']:.2f} |")
     if best is not None:
-        print(f"chosen on validation: gamma {best['gamma']}")
+        print(f"chosen on validation: gamma {best['gamma']}, anchors {best['anchors']}")
     if args.json:
         Path(args.json).write_text(json.dumps({"command": " ".join(["bench/distill_gamma.py", *(argv or sys.argv[1:])]),
                                                "iso_c": iso, "steps": args.steps, "aux": args.aux, "rows": rows,
-                                               "chosen": best["gamma"] if best else None}, indent=1) + "\n")
+                                               "chosen": best["gamma"] if best else None,
+                                               "chosen_anchors": best["anchors"] if best else None}, indent=1) + "\n")
     return 0
 
 

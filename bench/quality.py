@@ -83,6 +83,7 @@ from quality_setup import (  # noqa: E402
     parse_recipe,
     parse_sets,
     protocol_args,
+    stale_distill_runs,
     stale_grid,
     validation_rows,
 )
@@ -138,6 +139,28 @@ GRID = {"task_arithmetic": ("lambda", [0.1, 0.15, 0.2, 0.3, 0.5]), "ties": ("lam
         "iso_c": ("alpha", [1.0, 1.5, 2.0, 2.7, 3.5]), "iso_cts": ("alpha", [0.7, 1.0, 1.3, 1.6, 2.0]),
         "safe_merge+iso": ("iso_alpha", [1.5, 2.0, 2.5, 3.0, 4.5])}  # a variant's own grid: tuned after its parent
 UAD_POLICIES = ("task_arithmetic", "mdm_oc")
+
+
+def _sts_sentences(path: Path) -> dict[str, None]:
+    """The distinct sentences of an STS-B csv split, in file order."""
+    seen: dict[str, None] = {}
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            parts = line.rstrip("\n").split("\t")
+            if len(parts) >= 7:
+                seen.setdefault(parts[5])
+                seen.setdefault(parts[6])
+    return seen
+
+
+def sts_train_sentences(data: Path) -> list[tuple[str, None]]:
+    """The distinct sentences of the STS-B *train* split that occur in neither dev (which tunes G)
+    nor test (which measures it; STS-B repeats some sentences across splits, 464 of 10566), in file
+    order, as distil anchor inputs: the stand-in for the sentences of a daemon's sentence_similarity
+    probe."""
+    raw = data / "raw" / "stsbenchmark"
+    held = {**_sts_sentences(raw / "sts-dev.csv"), **_sts_sentences(raw / "sts-test.csv")}
+    return [(s, None) for s in _sts_sentences(raw / "sts-train.csv") if s not in held]
 
 
 def read_sts_dev(data: Path, n: int | None) -> list[tuple[float, str, str]]:
@@ -384,6 +407,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="weight of the distil step's similarity-preserving term toward θ₀")
     ap.add_argument("--distill-aux", type=int, default=128,
                     help="unlabeled train-split inputs per task the distil step uses (its experts' outputs on them)")
+    ap.add_argument("--distill-anchors", type=int, default=0,
+                    help="general anchor sentences (distinct STS-B *train* sentences, never dev or test) kept in "
+                         "θ₀'s geometry by the distil step's similarity term, the daemon's sentence_similarity "
+                         "probe sentences; 0 for none")
     ap.add_argument("--no-patches", action="store_true", help="skip the patch size measurement")
     ap.add_argument("--lp-train", type=int, default=None, help="train rows for the linear-probe reference (default: all)")
     ap.add_argument("--reduced-note", default="", help="text for quality.md about what was reduced")
@@ -612,10 +639,15 @@ def main(argv: list[str] | None = None) -> int:
     sts_dev = read_sts_dev(data, args.sts_pairs or 500)  # tuning's and the CMA-ES objective's pairs (never test)
     tuned: dict[str, Any] = dict(prev["protocol"]["tuning"]) if prev is not None else {}
     dparams = DistillParams(steps=args.distill_steps, lr=args.distill_lr, gamma=args.distill_gamma)
+    d_anchors = X.subsample(sts_train_sentences(data), args.distill_anchors, seed=7) if args.distill_anchors else []
     ri_params = RIParams(steps=args.ri_steps, lr=args.ri_lr, batch_size=16, max_length=64, eval_examples=64)
     ri_wanted = [p for p in args.ri_policies.split(",") if p]
     distill_wanted = [p for p in args.distill_policies.split(",") if p]
     runs: list[dict[str, Any]] = list(prev["runs"]) if prev is not None else []
+    stale = stale_distill_runs(runs, args)
+    if stale:
+        log(f"re-running {len(stale)} +distill run(s) of an earlier piece: they ran with other distil options")
+        runs = [r for r in runs if not any(r is s_ for s_ in stale)]
     planned: list[list[Any]] = []
     pieces: list[dict[str, Any]] = list(prev.get("pieces", [])) if prev is not None else []
     pieces.append({"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "seconds": 0.0,
@@ -638,7 +670,7 @@ def main(argv: list[str] | None = None) -> int:
                                                 "examples": args.ada_examples, "steps": args.ada_steps,
                                                 "inputs": "a subsample of the RI auxiliary inputs"}},
                              "distill": {"policies": distill_wanted, "params": dparams.__dict__,
-                                         "aux_per_task": args.distill_aux,
+                                         "aux_per_task": args.distill_aux, "anchors": args.distill_anchors,
                                          "aux": "unlabeled train-split inputs of each task seen so far, with its "
                                                 "expert's outputs as the target"},
                              "ri": {"policies": ri_wanted, "params": ri_params.__dict__, "aux_per_task": args.ri_aux,
@@ -727,7 +759,8 @@ def main(argv: list[str] | None = None) -> int:
                 inputs = [(r[0], r[1]) for r in X.subsample(tdata[s_].train, args.distill_aux, seed=5)]
                 d_tasks[s_] = DistillTask(s_, heads[s_], inputs, teacher_outputs(d_fm, experts[s_], heads[s_], inputs))
         _, dres = distill_backbone(out_dir, X.base_model_path(), out_dir, tasks=[d_tasks[s_] for s_ in seen],
-                                   params=dparams, feature_model=d_fm, cache_dir=work / "distill-cache")
+                                   params=dparams, anchors=d_anchors, feature_model=d_fm,
+                                   cache_dir=work / "distill-cache")
         log(f"  distil {len(seen)} task(s): KL {dres.kl_before:.4f} -> {dres.kl_after:.4f}, "
             f"similarity {dres.sim_before:.4f} -> {dres.sim_after:.4f}, {dres.seconds:.1f}s")
         return time.perf_counter() - t0
@@ -773,7 +806,8 @@ def main(argv: list[str] | None = None) -> int:
                               ri=ri if use_ri else None, threads=fold_threads, post=distil if use_distill else None)
             if use_distill:
                 res["ran_params"].update({"distill_steps": dparams.steps, "distill_lr": dparams.lr,
-                                          "distill_gamma": dparams.gamma, "distill_aux": args.distill_aux})
+                                          "distill_gamma": dparams.gamma, "distill_aux": args.distill_aux,
+                                          "distill_anchors": args.distill_anchors})
             run = {"policy": pol, "variant": var, "order_seed": seed, "order": order, "params": params,
                    "final": summarise(order, res, ref["expert_acc"]),
                    "steps": [{"t": s["t"], "task": s["task"], "acc": s["acc"], "G": s["G"],

@@ -234,6 +234,23 @@ _NOT_PROTOCOL = frozenset({"out", "workdir", "threads", "resume", "from_json", "
 _ADDITIVE = frozenset({"ri_policies", "distill_policies"})
 
 
+# options that decide only the +distill rows' numbers; each run records them (``ran_params``), and a
+# resumed run with other values re-runs those rows (:func:`stale_distill_runs`) instead of refusing
+DISTILL_ROW_OPTIONS = {"distill_steps": "distill_steps", "distill_lr": "distill_lr", "distill_gamma": "distill_gamma",
+                       "distill_aux": "distill_aux", "distill_anchors": "distill_anchors"}
+# what a run recorded before an option existed ran with
+_DISTILL_BEFORE = {"distill_anchors": 0}
+
+
+def stale_distill_runs(runs: list[dict[str, Any]], args: Any) -> list[dict[str, Any]]:
+    """The +distill runs of an earlier piece whose distil options (``ran_params``) differ from
+    ``args``'s: a resumed run drops and re-runs them (their rows' numbers are those options')."""
+    now = json.loads(json.dumps({k: getattr(args, k) for k in DISTILL_ROW_OPTIONS}))
+    return [r for r in runs if str(r.get("variant", "")).endswith("+distill")
+            and any(r.get("ran_params", {}).get(rp, _DISTILL_BEFORE.get(rp)) != now[k]
+                    for k, rp in DISTILL_ROW_OPTIONS.items())]
+
+
 def _grows(had: Any, now: Any) -> bool:
     """Whether the comma-separated list ``now`` keeps every item of ``had`` (rows may be added, not dropped)."""
     return set(filter(None, str(had or "").split(","))) <= set(filter(None, str(now or "").split(",")))
@@ -249,6 +266,8 @@ def load_resume(out: Path, args: Any, defaults: dict[str, Any] | None = None) ->
     """The earlier pieces of this benchmark from ``out/quality.json`` for ``--resume``, or None when
     there is no such file (a fresh start). ``defaults``: the options' default values; an option the
     file does not record (added to the script after that run started) matches its default.
+
+    The distil options (:data:`DISTILL_ROW_OPTIONS`) may differ: see :func:`stale_distill_runs`.
 
     Raises:
         BenchInputError: the file was written with other protocol options (listed by name), or
@@ -266,7 +285,8 @@ def load_resume(out: Path, args: Any, defaults: dict[str, Any] | None = None) ->
     now = json.loads(json.dumps(protocol_args(args)))
     dflt = json.loads(json.dumps(protocol_args(argparse.Namespace(**defaults)))) if defaults else {}
     diff = sorted(k for k in set(had) | set(now) if had.get(k, dflt.get(k)) != now.get(k)
-                  and not (k in _ADDITIVE and _grows(had.get(k, dflt.get(k)), now.get(k))))
+                  and not (k in _ADDITIVE and _grows(had.get(k, dflt.get(k)), now.get(k)))
+                  and k not in DISTILL_ROW_OPTIONS)
     if diff:
         raise BenchInputError(f"{path} was run with other options: "
                               + ", ".join(f"{k}={had.get(k)!r} (now {now.get(k)!r})" for k in diff))

@@ -63,7 +63,9 @@ class DistillConfig(_Section):
     After every fold the candidate backbone is trained for a few steps so that, through each task
     head it carries (every accepted expert's task probe and the new expert's), it gives the outputs
     of that task's own expert on the first ``examples_per_task`` inputs of the task probe (their
-    labels are not used), while a similarity term keeps θ₀'s embedding geometry (:mod:`mergestream.distill`).
+    labels are not used), while a similarity term keeps θ₀'s embedding geometry (:mod:`mergestream.distill`)
+    on those inputs and on the first ``anchor_examples`` sentences of the ``sentence_similarity``
+    probe, when one is configured (the general knowledge the gate checks).
     Each expert's outputs are computed from its kept copy. The published version is the distilled
     one; the next fold starts from it. Unmerge replays (the step changes the backbone after the fold).
     """
@@ -74,6 +76,9 @@ class DistillConfig(_Section):
     batch_per_task: int = Field(8, ge=1, description="inputs of each task per step")
     examples_per_task: int = Field(128, ge=1, description="first N inputs of each task probe (their labels unused)")
     max_length: int = Field(64, ge=1, description="tokens per input (Hugging Face features)")
+    anchor_examples: int = Field(256, ge=0, description="first N distinct sentences of the sentence_similarity "
+                                 "probe kept in θ₀'s geometry by the similarity term (0: none)")
+    anchor_batch: int = Field(16, ge=1, description="anchor sentences per step")
     time_budget_seconds: float | None = Field(600.0, ge=0, description="time budget per fold (s)")
     forward: str | None = Field(None, description="package.module:factory returning a FeatureModel (as ri.forward)")
 

@@ -68,6 +68,8 @@ class DistillParams:
         seed: order of the batches.
         time_budget_seconds: wall-clock budget of the optimisation (s); None: no limit.
         eval_examples: inputs per task on which the loss is reported before and after.
+        anchor_batch: general (anchor) inputs added to every step's similarity batch when anchors
+            are given (0: none).
     """
 
     steps: int = 100
@@ -78,10 +80,11 @@ class DistillParams:
     seed: int = 0
     time_budget_seconds: float | None = None
     eval_examples: int = 32
+    anchor_batch: int = 16
 
     def __post_init__(self) -> None:
         for name, least in (("steps", 0), ("batch_per_task", 1), ("max_length", 1), ("seed", 0),
-                            ("eval_examples", 1)):
+                            ("eval_examples", 1), ("anchor_batch", 0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < least:
                 raise DistillError(f"distil {name} must be a whole number >= {least}, got {v!r}")
@@ -123,6 +126,7 @@ class DistillResult:
         kl_before / kl_after: the mean KL term on the evaluation inputs at the fold's result and after.
         sim_before / sim_after: the similarity term (unweighted) on the same inputs.
         tasks: the tasks distilled, in order.
+        anchors: general anchor inputs the similarity term could draw from (0: none).
         losses: the mini-batch loss of every step.
     """
 
@@ -134,6 +138,7 @@ class DistillResult:
     sim_before: float = 0.0
     sim_after: float = 0.0
     tasks: list[str] = field(default_factory=list)
+    anchors: int = 0
     losses: list[float] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
@@ -183,7 +188,8 @@ def _check(tasks: Sequence[DistillTask], base_feats: Sequence[torch.Tensor]) -> 
 
 def distill(model: torch.nn.Module, features: Callable[[torch.nn.Module, list[AuxItem]], torch.Tensor],
             tasks: Sequence[DistillTask], base_feats: Sequence[torch.Tensor], params: DistillParams = DistillParams(),
-            *, progress: Callable[[int, float], None] | None = None) -> DistillResult:
+            *, anchors: Sequence[AuxItem] = (), anchor_feats: torch.Tensor | None = None,
+            progress: Callable[[int, float], None] | None = None) -> DistillResult:
     """Train ``model`` (the folded backbone, updated in place) on the distil objective.
 
     Args:
@@ -194,17 +200,27 @@ def distill(model: torch.nn.Module, features: Callable[[torch.nn.Module, list[Au
         base_feats: f_θ₀ of each task's inputs, one (N, H) float32 tensor per task in the order of
             ``tasks``, row i for ``inputs[i]``.
         params: budgets and hyperparameters.
+        anchors: general inputs (no head, no teacher), e.g. the general-knowledge probe's
+            sentences: ``params.anchor_batch`` of them join every step's similarity batch, so θ₀'s
+            geometry is kept where the general probes read it, not only on the tasks' inputs.
+        anchor_feats: f_θ₀ of ``anchors``, (M, H) float32, row i for ``anchors[i]``.
         progress: called after every step with (step, mini-batch loss).
 
     Returns:
         :class:`DistillResult`; ``model`` is untouched when ``params.steps == 0``.
 
     Raises:
-        DistillError: no task, inputs / heads / teacher outputs / θ₀ features that do not fit, or a
-            non-finite loss.
+        DistillError: no task, inputs / heads / teacher outputs / θ₀ features that do not fit, anchors
+            without their θ₀ features (or of another shape), or a non-finite loss.
     """
     _check(tasks, base_feats)
-    res = DistillResult(tasks=[t.name for t in tasks])
+    n_anchor = len(anchors)
+    if n_anchor and (anchor_feats is None or anchor_feats.dim() != 2 or anchor_feats.shape[0] != n_anchor
+                     or anchor_feats.shape[1] != tasks[0].head[0].shape[1]):
+        got = None if anchor_feats is None else tuple(anchor_feats.shape)
+        raise DistillError(f"{n_anchor} anchors need θ₀ features (M={n_anchor}, H={tasks[0].head[0].shape[1]}), "
+                           f"got {got}")
+    res = DistillResult(tasks=[t.name for t in tasks], anchors=n_anchor if params.anchor_batch else 0)
     if params.steps == 0:
         return res
     was_training = model.training
@@ -213,22 +229,27 @@ def distill(model: torch.nn.Module, features: Callable[[torch.nn.Module, list[Au
     heads = [(t.head[0].to(dev).float(), t.head[1].to(dev).float()) for t in tasks]
     teach = [t.teacher_logp.to(dev).float() for t in tasks]
     bases = [b.to(dev).float() for b in base_feats]
+    anchor_base = anchor_feats.to(dev).float() if n_anchor else None
 
-    def loss_on(picks: list[list[int]], with_sim: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss_on(picks: list[list[int]], with_sim: bool, anchor_idx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         kls, fs, bs = [], [], []
         for k, (t, idx) in enumerate(zip(tasks, picks)):
             f = features(model, [t.inputs[i] for i in idx]).float()
             kls.append(_kl(f, heads[k], teach[k][idx]))
             fs.append(f)
             bs.append(bases[k][idx])
+        if with_sim and anchor_idx:
+            fs.append(features(model, [anchors[i] for i in anchor_idx]).float())
+            bs.append(anchor_base[anchor_idx])
         sim = similarity_term(torch.cat(fs), torch.cat(bs)) if with_sim else fs[0].new_zeros(())
         return torch.stack(kls).mean(), sim
 
     ev = [list(range(min(len(t.inputs), params.eval_examples))) for t in tasks]
+    ev_anchor = list(range(min(n_anchor, params.eval_examples))) if params.anchor_batch else []
 
     def evaluate() -> tuple[float, float]:
         with torch.no_grad():
-            kl, sim = loss_on(ev, True)  # the similarity term is reported whatever γ
+            kl, sim = loss_on(ev, True, ev_anchor)  # the similarity term is reported whatever γ
         return float(kl), float(sim)
 
     res.kl_before, res.sim_before = evaluate()
@@ -236,6 +257,8 @@ def distill(model: torch.nn.Module, features: Callable[[torch.nn.Module, list[Au
     opt = torch.optim.AdamW(trainable, lr=params.lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(params.seed)
     orders: list[list[int]] = [[] for _ in tasks]
+    anchor_order: list[int] = []
+    take_anchor = min(params.anchor_batch, n_anchor)
     bs = params.batch_per_task
     t0 = time.perf_counter()
     res.stopped = "steps"
@@ -250,7 +273,10 @@ def distill(model: torch.nn.Module, features: Callable[[torch.nn.Module, list[Au
                 orders[k] += torch.randperm(len(t.inputs), generator=gen).tolist()
             picks.append(orders[k][:take])
             orders[k] = orders[k][take:]
-        kl, sim = loss_on(picks, params.gamma > 0)
+        if len(anchor_order) < take_anchor:
+            anchor_order += torch.randperm(n_anchor, generator=gen).tolist()
+        anchor_idx, anchor_order = anchor_order[:take_anchor], anchor_order[take_anchor:]
+        kl, sim = loss_on(picks, params.gamma > 0, anchor_idx)
         res.losses.append(optimiser_step(opt, kl + params.gamma * sim, step, DistillError, "distil"))
         res.steps = step + 1
         if progress is not None:
@@ -259,8 +285,8 @@ def distill(model: torch.nn.Module, features: Callable[[torch.nn.Module, list[Au
     res.kl_after, res.sim_after = evaluate()
     opt.zero_grad(set_to_none=True)
     model.train(was_training)
-    log.info("distil tasks=%d steps=%d stopped=%s seconds=%.1f kl=%.5g->%.5g sim=%.5g->%.5g", len(tasks),
-             res.steps, res.stopped, res.seconds, res.kl_before, res.kl_after, res.sim_before, res.sim_after)
+    log.info("distil tasks=%d anchors=%d steps=%d stopped=%s seconds=%.1f kl=%.5g->%.5g sim=%.5g->%.5g", len(tasks),
+             res.anchors, res.steps, res.stopped, res.seconds, res.kl_before, res.kl_after, res.sim_before, res.sim_after)
     return res
 
 
@@ -291,7 +317,8 @@ def teacher_outputs(fm: FeatureModel, expert: str | os.PathLike, head: Head, inp
 
 def distill_backbone(backbone: str | os.PathLike, base: str | os.PathLike, out: str | os.PathLike, *,
                      tasks: Sequence[DistillTask], params: DistillParams = DistillParams(),
-                     feature_model: FeatureModel | None = None, cache_dir: str | os.PathLike | None = None,
+                     anchors: Sequence[AuxItem] = (), feature_model: FeatureModel | None = None,
+                     cache_dir: str | os.PathLike | None = None,
                      device: str | torch.device = "cpu",
                      progress: Callable[[int, float], None] | None = None) -> tuple[Path, DistillResult]:
     """Run the distil step on a folded backbone folder and write the result to ``out``.
@@ -304,6 +331,8 @@ def distill_backbone(backbone: str | os.PathLike, base: str | os.PathLike, out: 
             backbone's tensor names and dtypes, its other files, and its header metadata plus
             ``mergestream.distill`` (the result and the parameters, JSON).
         tasks: every task seen so far (:class:`DistillTask`).
+        anchors: general inputs for the similarity term (see :func:`distill`); their θ₀ features are
+            computed here (and cached like the tasks').
         feature_model: default :class:`~mergestream.ri.HFEncoderFeatures` with the backbone's
             tokenizer (the base's when it has none).
         cache_dir: where θ₀'s features of each task's inputs are cached (None: not cached).
@@ -336,10 +365,12 @@ def distill_backbone(backbone: str | os.PathLike, base: str | os.PathLike, out: 
     cache = Path(cache_dir) if cache_dir else None
     try:
         bf = [base_features(feature_model, base, t.inputs, cache_dir=cache, device=dev) for t in tasks]
+        af = base_features(feature_model, base, list(anchors), cache_dir=cache, device=dev) if anchors else None
         model = feature_model.load(backbone, dev)
     except RIError as exc:
         raise DistillError(str(exc)) from exc
-    res = distill(model, feature_model.features, tasks, bf, params, progress=progress)
+    res = distill(model, feature_model.features, tasks, bf, params, anchors=anchors, anchor_feats=af,
+                  progress=progress)
     write_trained(model, backbone, out, {"mergestream.distill": json.dumps({**res.to_json(), "params": asdict(params)})},
                   error=DistillError)
     return out, res

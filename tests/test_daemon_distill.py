@@ -22,7 +22,7 @@ from mergestream.text import load_head, read_labelled_jsonl
 
 from .conftest import make_hf_expert, save_tensors
 from .test_daemon_datadriven import fold_doc, ship_probe, statuses
-from .test_probes import bert, sentences, tok_dir  # noqa: F401 - fixtures
+from .test_probes import bert, sentences, tok_dir, write_pairs  # noqa: F401 - fixtures
 
 H = 32
 DISTIL = {"name": "iso_c", "params": {"alpha": 1.0}, "postprocess": ["distill"],
@@ -39,9 +39,10 @@ def experts(bert, tmp_path_factory) -> list[Path]:
     return out
 
 
-def service(tmp_path: Path, base: Path, policy: dict) -> Service:
+def service(tmp_path: Path, base: Path, policy: dict, probes: list | None = None) -> Service:
     c = Config(base=base, inbox=tmp_path / "inbox", state_dir=tmp_path / "state", metrics={"enabled": False},
-               mlflow={"enabled": False}, policy=policy, gate={"rules": []})
+               mlflow={"enabled": False}, policy=policy, gate={"rules": []},
+               **({"probes": probes} if probes is not None else {}))
     svc = Service(c, serve_metrics=False, watch_sources=False)
     svc.start()
     return svc
@@ -142,11 +143,14 @@ def test_config_defaults_and_bad_values(bert, tmp_path):
     c = Config(base=bert, inbox=tmp_path / "i", state_dir=tmp_path / "s", policy={"name": "task_arithmetic",
                                                                                  "postprocess": ["distill"]})
     assert c.policy.unmerge_mode == "replay" and c.policy.distill.steps == 100 and c.policy.distill.gamma == 0.3
+    assert c.policy.distill.anchor_examples == 256 and c.policy.distill.anchor_batch == 16
     for bad in ({"postprocess": ["distill", "distill"]}, {"postprocess": ["other"]},
                 {"postprocess": ["distill"], "distill": {"gamma": -1}}, {"distill": {"lr": 0}},
                 {"distill": {"steps": 10, "nosuch": 1}}, {"distill": {"gamma": float("inf")}},
                 {"distill": {"lr": float("nan")}}, {"ri": {"lr": float("inf")}},
-                {"distill": {"time_budget_seconds": float("inf")}}, {"objective": {"task_weight": float("nan")}}):
+                {"distill": {"time_budget_seconds": float("inf")}}, {"objective": {"task_weight": float("nan")}},
+                {"distill": {"anchor_examples": -1}}, {"distill": {"anchor_batch": 0}},
+                {"distill": {"anchor_examples": 2.5}}):
         with pytest.raises(ValidationError):
             Config(base=bert, inbox=tmp_path / "i", state_dir=tmp_path / "s", policy={"name": "task_arithmetic", **bad})
     json.dumps(c.policy.distill.model_dump())  # a plain record
@@ -203,3 +207,24 @@ def test_a_feature_model_that_cannot_be_built_stops_the_start_naming_its_key(ber
     svc = Service(c, serve_metrics=False, watch_sources=False)
     with pytest.raises(ConfigError, match=f"policy.{key}.forward"):
         svc.start()
+
+
+def test_the_sentence_similarity_probe_gives_the_step_its_anchors(bert, experts, tmp_path):
+    """With a sentence_similarity probe configured, its first ``anchor_examples`` distinct sentences
+    join the similarity term (recorded); ``anchor_examples: 0`` turns them off; without the probe
+    there are none."""
+    a, b = sentences(12, seed=61), sentences(12, seed=62)
+    rows = [(float(i % 5), a[i], b[i]) for i in range(12)] + [(1.0, a[0], b[0])]  # a repeated pair
+    pairs = write_pairs(tmp_path / "sts.tsv", rows)
+    probes = [{"type": "classification"}, {"type": "sentence_similarity", "params": {"data": str(pairs)}}]
+    for name, distill, probe_list, want in (
+            ("on", {}, probes, 20), ("all", {"anchor_examples": 1000}, probes, 24),
+            ("off", {"anchor_examples": 0}, probes, 0), ("noprobe", {}, [{"type": "classification"}], 0)):
+        policy = {**DISTIL, "distill": {**DISTIL["distill"], "anchor_examples": 20, **distill}}
+        svc = service(tmp_path / name, bert, policy, probes=probe_list)
+        try:
+            feed(svc, experts[:1])
+        finally:
+            svc.shutdown()
+        assert statuses(svc) == {"e0": "accepted"}, name
+        assert fold_doc(tmp_path / name, 1)["distill"]["anchors"] == want, name

@@ -205,3 +205,51 @@ def test_the_model_card_names_the_step(bert, backbone, tasks, tmp_path):
     card = write_model_card(out, base=bert).read_text()
     assert "| distil post-step | `2 AdamW steps toward the experts of t0, t1 (gamma 0.3, lr 0.001)` |" in card
     assert "distil post-step" not in write_model_card(backbone, base=bert).read_text()
+
+
+def _geometry_drift(folder: Path, base: Path, fm, items) -> float:
+    """‖Ĉ − Ĉ_θ₀‖²_F / B on ``items``: an independent forward of both models."""
+    with torch.no_grad():
+        f = fm.features(fm.load(folder, torch.device("cpu")), items)
+        f0 = fm.features(fm.load(base, torch.device("cpu")), items)
+    return float(similarity_term(f, f0))
+
+
+def test_anchor_sentences_keep_the_base_geometry_where_no_task_input_is(bert, backbone, tasks, tmp_path):
+    """General anchors (a sentence_similarity probe's sentences) join the similarity batch: after the
+    step, θ₀'s geometry on unseen sentences of the anchors' kind drifts less than without them."""
+    fm = HFEncoderFeatures(bert, max_length=16)
+    anchors = [(s, None) for s in sentences(48, seed=90)]
+    held = [(s, None) for s in sentences(24, seed=91)]
+    p = DistillParams(steps=30, lr=1e-3, batch_per_task=8, gamma=10.0, anchor_batch=16)
+    _, plain = distill_backbone(backbone, bert, tmp_path / "plain", tasks=tasks, params=p, feature_model=fm)
+    _, anch = distill_backbone(backbone, bert, tmp_path / "anch", tasks=tasks, params=p, anchors=anchors,
+                               feature_model=fm, cache_dir=tmp_path / "cache")
+    assert plain.anchors == 0 and anch.anchors == 48
+    on_anchors = [_geometry_drift(tmp_path / d, bert, fm, anchors) for d in ("plain", "anch")]
+    on_held = [_geometry_drift(tmp_path / d, bert, fm, held) for d in ("plain", "anch")]
+    assert on_anchors[1] < 0.75 * on_anchors[0], on_anchors
+    assert on_held[1] < on_held[0], on_held
+    # the KL term still does its work
+    assert anch.kl_after < anch.kl_before
+
+
+def test_anchors_off_or_without_their_features_are_handled(bert, backbone, tasks):
+    fm = HFEncoderFeatures(bert, max_length=16)
+    anchors = [(s, None) for s in sentences(8, seed=92)]
+    bf = [torch.zeros(len(t.inputs), H) for t in tasks]
+    with pytest.raises(DistillError, match="anchors need θ₀ features"):
+        distill(fm.load(backbone, torch.device("cpu")), fm.features, tasks, bf, DistillParams(steps=1),
+                anchors=anchors)
+    with pytest.raises(DistillError, match="anchors need θ₀ features"):
+        distill(fm.load(backbone, torch.device("cpu")), fm.features, tasks, bf, DistillParams(steps=1),
+                anchors=anchors, anchor_feats=torch.zeros(8, H + 1))
+    with pytest.raises(DistillError, match="anchor_batch"):
+        DistillParams(anchor_batch=-1)
+    # anchor_batch 0: the anchors are not used, the run is the run without them
+    runs = []
+    for kw in ({}, {"anchors": anchors, "anchor_feats": torch.zeros(8, H)}):
+        model = fm.load(backbone, torch.device("cpu"))
+        res = distill(model, fm.features, tasks, bf, DistillParams(steps=2, lr=1e-3, anchor_batch=0), **kw)
+        runs.append((res.anchors, res.losses))
+    assert runs[0] == runs[1] and runs[0][0] == 0

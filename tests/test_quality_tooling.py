@@ -517,3 +517,37 @@ def test_distill_rows_extend_plain_variant_and_ri_rows_and_compare_with_them(tmp
     assert "| dop+ri+distill | dop+ri | 1 | +1.5 |" in md
     assert "| 42.0 |" in md.split("dop+ri+distill |", 1)[1].splitlines()[0]  # its distil seconds column
     assert R.recommended_row(doc)["label"] == "dop"  # a row that needs data is never the default
+
+
+def test_a_resume_with_other_distil_options_reruns_only_the_distil_rows(tmp_path):
+    """The distil options decide only the +distill rows: a resume with other values is accepted, and
+    exactly the +distill runs that ran with other values (a run from before an option existed ran at
+    its old value) are re-run."""
+    argv = ["--tasks", "sst2,trec", "--distill-policies", "iso_c+ri", "--out", str(tmp_path)]
+    args = _args(*argv)
+    doc = {**_doc(), "protocol": {**_doc()["protocol"], "args": S.protocol_args(args)}}
+    ran = {"distill_steps": 100, "distill_lr": 1e-5, "distill_gamma": 0.3, "distill_aux": 128}
+    doc["runs"] = [{"policy": "iso_c", "variant": "+ri", "order_seed": None, "ran_params": {}},
+                   {"policy": "iso_c", "variant": "+ri+distill", "order_seed": None, "ran_params": dict(ran)},
+                   {"policy": "iso_c", "variant": "+ri+distill", "order_seed": 0,
+                    "ran_params": {**ran, "distill_anchors": 256}}]
+    (tmp_path / "quality.json").write_text(json.dumps(doc))
+    for change, stale_seeds in (([], [0]), (["--distill-anchors", "256"], [None]),
+                                (["--distill-gamma", "1.0", "--distill-anchors", "256"], [None, 0]),
+                                (["--distill-steps", "50"], [None, 0])):
+        now = _args(*argv, *change)
+        prev = S.load_resume(tmp_path, now, vars(quality.build_parser().parse_args([])))
+        assert [r["order_seed"] for r in S.stale_distill_runs(prev["runs"], now)] == stale_seeds, change
+    with pytest.raises(S.BenchInputError, match="eval_examples"):  # other options still refuse
+        S.load_resume(tmp_path, _args(*argv, "--distill-anchors", "256", "--eval-examples", "60"))
+
+
+def test_distil_anchors_are_sts_train_sentences_never_dev_or_test():
+    """STS-B repeats some sentences across its splits: an anchor is never a sentence of dev (tuning)
+    or test (the G measured), in any pair."""
+    data = X.data_root(None)
+    anchors = [a for a, _ in quality.sts_train_sentences(data)]
+    assert len(anchors) > 9000 and len(set(anchors)) == len(anchors)
+    held = {s for _, a, b in quality.read_sts_dev(data, None) for s in (a, b)}
+    held |= {s for _, a, b in X.load_sts(data) for s in (a, b)}
+    assert len(held) > 2000 and not held & set(anchors)

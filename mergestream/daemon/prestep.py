@@ -27,7 +27,7 @@ from ..engine.coefficients import EntropyObjective
 from ..errors import MergestreamError
 from ..policies import Policy
 from ..ri import RIError, RIParams, adapt_expert, load_feature_model, read_aux
-from ..text import has_tokenizer, load_head, read_labelled_jsonl
+from ..text import has_tokenizer, load_head, read_labelled_jsonl, read_scored_pairs
 from .objective import ProbeObjective
 from .probes import SentenceSimilarityProbe, discover_task_probe
 from .probing import Prober
@@ -181,7 +181,8 @@ class PreSteps:
         dc = self.cfg.policy.distill
         base = Path(self.cfg.base)
         params = DistillParams(steps=dc.steps, lr=dc.lr, gamma=dc.gamma, batch_per_task=dc.batch_per_task,
-                               max_length=dc.max_length, time_budget_seconds=dc.time_budget_seconds)
+                               max_length=dc.max_length, time_budget_seconds=dc.time_budget_seconds,
+                               anchor_batch=dc.anchor_batch)
         try:
             pairs: list[tuple[str, Any, Path | None]] = [
                 (eid, spec, self.kept.path(eid)) for eid, spec in self.prober.accepted_task_probes() if eid != exclude]
@@ -206,13 +207,31 @@ class PreSteps:
 
             t = time.time()
             model = att.staging / "model"
-            _, res = distill_backbone(model, base, model, tasks=tasks, params=params, feature_model=fm,
-                                      cache_dir=self.cfg.state_dir / "cache", device=self.cfg.device, progress=progress)
+            _, res = distill_backbone(model, base, model, tasks=tasks, params=params, anchors=self._anchors(),
+                                      feature_model=fm, cache_dir=self.cfg.state_dir / "cache", device=self.cfg.device, progress=progress)
         except MergestreamError as exc:  # DistillError, RIError (the feature model), ProbeError (a probe file)
             raise PreStepRejected(f"distil post-step: {exc}") from exc
         att.timings.update(distill_seconds=time.time() - t, distill_steps=float(res.steps),
                            distill_kl_before=res.kl_before, distill_kl_after=res.kl_after)
         att.extra["distill"] = {**res.to_json(), "experts": [eid for eid, _, _ in pairs]}
+
+    def _anchors(self) -> list[tuple[str, None]]:
+        """The distil step's general anchors: the first ``policy.distill.anchor_examples`` distinct
+        sentences of the configured ``sentence_similarity`` probe's pairs (none without one).
+
+        Raises:
+            ProbeError: a malformed probe file.
+        """
+        n = self.cfg.policy.distill.anchor_examples
+        general = next((p for p in self.prober.probes() if isinstance(p, SentenceSimilarityProbe)), None)
+        if n == 0 or general is None or self.cfg.policy.distill.gamma == 0:
+            return []
+        seen: dict[str, None] = {}
+        for _, a, b in read_scored_pairs(general.data, None):
+            for sentence in (a, b):
+                if len(seen) < n:
+                    seen.setdefault(sentence)
+        return [(sentence, None) for sentence in seen]
 
     def _teacher(self, expert_id: str, spec: Any, folder: Path | None, fm: Any) -> DistillTask:
         """One task of the distil step: its probe's inputs and its expert's outputs on them (cached per
