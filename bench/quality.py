@@ -58,6 +58,7 @@ import shutil
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -223,8 +224,8 @@ def fold_stream(order: list[str], experts: dict[str, Path], policy: str, params:
     model's. ``ri``: ``ri(order[:t]) -> (adapted expert folder, RI seconds)``, the RI pre-step.
     ``fold_with``: ``fold_with(seen, backbone | None, expert, state, out) -> FoldReport`` instead of
     one engine fold (``bench/quality_heldout.py``: the daemon's per-fold strength choice).
-    ``post``: ``post(seen, out) -> seconds``, a post-step that rewrites the fold's output in place
-    (the distil step), timed apart from the fold.
+    ``post``: ``post(seen, out, prev) -> seconds``, a post-step that rewrites the fold's output in
+    place (the distil step; ``prev`` the previous version or None), timed apart from the fold.
     """
     base = X.base_model_path()
     run = Path(tempfile.mkdtemp(prefix=f"{policy}-", dir=workdir))
@@ -246,7 +247,7 @@ def fold_stream(order: list[str], experts: dict[str, Path], policy: str, params:
                         objective=objective, options=ExecOptions(threads=threads))
         fold_s.append(time.perf_counter() - t0)
         if post is not None:
-            post_s.append(post(tuple(order[:t]), out))
+            post_s.append(post(tuple(order[:t]), out, prev))
         if patches and prev is not None:
             ratios = [build_patch(prev, out, run / "patch.safetensors", source_version=str(t - 1),
                                   target_version=str(t), policy=policy, overwrite=True, patch_format=fmt,
@@ -750,20 +751,25 @@ def main(argv: list[str] | None = None) -> int:
     d_tasks: dict[str, DistillTask] = {}
     d_fm = HFEncoderFeatures(X.base_model_path(), max_length=dparams.max_length)
 
-    def distil(seen: tuple[str, ...], out_dir: Path) -> float:
+    def distil(seen: tuple[str, ...], out_dir: Path, within: Path | None) -> float:
         """The distil post-step on a fold's output, in place: every seen task's head toward its
-        (original) expert's outputs on --distill-aux unlabeled train inputs; returns its seconds."""
+        (original) expert's outputs on --distill-aux unlabeled train inputs, training only the
+        entries the fold changed from ``within`` (a budgeted row's previous version) when given, as
+        the daemon does under a patch budget; returns its seconds."""
         t0 = time.perf_counter()
         for s_ in seen:
             if s_ not in d_tasks:
                 inputs = [(r[0], r[1]) for r in X.subsample(tdata[s_].train, args.distill_aux, seed=5)]
                 d_tasks[s_] = DistillTask(s_, heads[s_], inputs, teacher_outputs(d_fm, experts[s_], heads[s_], inputs))
         _, dres = distill_backbone(out_dir, X.base_model_path(), out_dir, tasks=[d_tasks[s_] for s_ in seen],
-                                   params=dparams, anchors=d_anchors, feature_model=d_fm,
-                                   cache_dir=work / "distill-cache")
+                                   params=dparams, anchors=d_anchors, within_patch_from=within,
+                                   feature_model=d_fm, cache_dir=work / "distill-cache")
         log(f"  distil {len(seen)} task(s): KL {dres.kl_before:.4f} -> {dres.kl_after:.4f}, "
             f"similarity {dres.sim_before:.4f} -> {dres.sim_after:.4f}, {dres.seconds:.1f}s")
         return time.perf_counter() - t0
+
+    def budgeted_distil(budgeted: bool, seen: tuple[str, ...], out_dir: Path, prev_dir: Path | None) -> float:
+        return distil(seen, out_dir, prev_dir if budgeted else None)
 
     save_outputs(document(), out)  # the references and the plan, before the first run
     # every policy on the file order first, then the shuffles (an interrupted run keeps the former)
@@ -803,7 +809,9 @@ def main(argv: list[str] | None = None) -> int:
             want_uad = seed is None and pol in UAD_POLICIES and not var and not args.no_uad
             res = fold_stream(order, experts, pol, params, ev, work, full_steps=full, log=log, objective_for=objective_for,
                               keep_final=want_uad, patches=seed is None and not args.no_patches,
-                              ri=ri if use_ri else None, threads=fold_threads, post=distil if use_distill else None)
+                              ri=ri if use_ri else None, threads=fold_threads,
+                              post=partial(budgeted_distil, float(params.get("patch_budget", 1)) < 1)
+                              if use_distill else None)
             if use_distill:
                 res["ran_params"].update({"distill_steps": dparams.steps, "distill_lr": dparams.lr,
                                           "distill_gamma": dparams.gamma, "distill_aux": args.distill_aux,

@@ -161,14 +161,6 @@ class PolicyConfig(_Section):
                              "set policy.unmerge_mode: replay")
         return self
 
-    @model_validator(mode="after")
-    def _distill_fits(self) -> PolicyConfig:
-        budget = self.params.get("patch_budget")
-        if "distill" in self.postprocess and isinstance(budget, (int, float)) and budget < 1:
-            raise ValueError("postprocess [distill] trains every weight after the fold, so patch_budget's bound on "
-                             "a version's patch would not hold: use one or the other")
-        return self
-
     @field_validator("preprocess", "postprocess")
     @classmethod
     def _unique(cls, v: list[str]) -> list[str]:

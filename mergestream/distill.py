@@ -127,6 +127,7 @@ class DistillResult:
         sim_before / sim_after: the similarity term (unweighted) on the same inputs.
         tasks: the tasks distilled, in order.
         anchors: general anchor inputs the similarity term could draw from (0: none).
+        trained_entries: entries the train mask let train (None: no mask, every entry).
         losses: the mini-batch loss of every step.
     """
 
@@ -139,6 +140,7 @@ class DistillResult:
     sim_after: float = 0.0
     tasks: list[str] = field(default_factory=list)
     anchors: int = 0
+    trained_entries: int | None = None
     losses: list[float] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
@@ -189,6 +191,7 @@ def _check(tasks: Sequence[DistillTask], base_feats: Sequence[torch.Tensor]) -> 
 def distill(model: torch.nn.Module, features: Callable[[torch.nn.Module, list[AuxItem]], torch.Tensor],
             tasks: Sequence[DistillTask], base_feats: Sequence[torch.Tensor], params: DistillParams = DistillParams(),
             *, anchors: Sequence[AuxItem] = (), anchor_feats: torch.Tensor | None = None,
+            train_mask: dict[str, torch.Tensor] | None = None,
             progress: Callable[[int, float], None] | None = None) -> DistillResult:
     """Train ``model`` (the folded backbone, updated in place) on the distil objective.
 
@@ -204,6 +207,10 @@ def distill(model: torch.nn.Module, features: Callable[[torch.nn.Module, list[Au
             sentences: ``params.anchor_batch`` of them join every step's similarity batch, so θ₀'s
             geometry is kept where the general probes read it, not only on the tasks' inputs.
         anchor_feats: f_θ₀ of ``anchors``, (M, H) float32, row i for ``anchors[i]``.
+        train_mask: parameter name → bool tensor of its shape: only the True entries are trained;
+            every other entry keeps its value bit for bit (AdamW without weight decay never moves an
+            entry whose gradient is always 0), and a parameter without a True entry, or without a
+            mask, is not trained. None: every entry is trained.
         progress: called after every step with (step, mini-batch loss).
 
     Returns:
@@ -254,6 +261,23 @@ def distill(model: torch.nn.Module, features: Callable[[torch.nn.Module, list[Au
 
     res.kl_before, res.sim_before = evaluate()
     trainable = [p for p in model.parameters() if p.requires_grad and p.is_floating_point()]
+    hooks = []
+    if train_mask is not None:
+        trainable = []
+        for name, p in model.named_parameters():
+            m = train_mask.get(name)
+            if not (p.requires_grad and p.is_floating_point()) or m is None or not bool(m.any()):
+                continue
+            if m.shape != p.shape:
+                raise DistillError(f"train mask of {name} is {tuple(m.shape)}, the parameter {tuple(p.shape)}")
+            trainable.append(p)
+            if not bool(m.all()):
+                keep = m.to(p.device, p.dtype)
+                hooks.append(p.register_hook(lambda g, keep=keep: g * keep))
+        ids = {id(q) for q in trainable}
+        res.trained_entries = int(sum(int(train_mask[n].sum()) for n, p in model.named_parameters() if id(p) in ids))
+        if not trainable:
+            raise DistillError("the train mask leaves no entry to train")
     opt = torch.optim.AdamW(trainable, lr=params.lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(params.seed)
     orders: list[list[int]] = [[] for _ in tasks]
@@ -262,25 +286,35 @@ def distill(model: torch.nn.Module, features: Callable[[torch.nn.Module, list[Au
     bs = params.batch_per_task
     t0 = time.perf_counter()
     res.stopped = "steps"
-    for step in range(params.steps):
-        if params.time_budget_seconds is not None and time.perf_counter() - t0 >= params.time_budget_seconds:
-            res.stopped = "time"
-            break
-        picks = []
-        for k, t in enumerate(tasks):
-            take = min(bs, len(t.inputs))
-            if len(orders[k]) < take:
-                orders[k] += torch.randperm(len(t.inputs), generator=gen).tolist()
-            picks.append(orders[k][:take])
-            orders[k] = orders[k][take:]
-        if len(anchor_order) < take_anchor:
-            anchor_order += torch.randperm(n_anchor, generator=gen).tolist()
-        anchor_idx, anchor_order = anchor_order[:take_anchor], anchor_order[take_anchor:]
-        kl, sim = loss_on(picks, params.gamma > 0, anchor_idx)
-        res.losses.append(optimiser_step(opt, kl + params.gamma * sim, step, DistillError, "distil"))
-        res.steps = step + 1
-        if progress is not None:
-            progress(res.steps, res.losses[-1])
+    ids = {id(q) for q in trainable}
+    frozen = [p for p in model.parameters() if p.requires_grad and id(p) not in ids]
+    for p in frozen:  # no gradient is computed for what the mask leaves out
+        p.requires_grad_(False)
+    try:
+        for step in range(params.steps):
+            if params.time_budget_seconds is not None and time.perf_counter() - t0 >= params.time_budget_seconds:
+                res.stopped = "time"
+                break
+            picks = []
+            for k, t in enumerate(tasks):
+                take = min(bs, len(t.inputs))
+                if len(orders[k]) < take:
+                    orders[k] += torch.randperm(len(t.inputs), generator=gen).tolist()
+                picks.append(orders[k][:take])
+                orders[k] = orders[k][take:]
+            if len(anchor_order) < take_anchor:
+                anchor_order += torch.randperm(n_anchor, generator=gen).tolist()
+            anchor_idx, anchor_order = anchor_order[:take_anchor], anchor_order[take_anchor:]
+            kl, sim = loss_on(picks, params.gamma > 0, anchor_idx)
+            res.losses.append(optimiser_step(opt, kl + params.gamma * sim, step, DistillError, "distil"))
+            res.steps = step + 1
+            if progress is not None:
+                progress(res.steps, res.losses[-1])
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
+        for h in hooks:
+            h.remove()
     res.seconds = time.perf_counter() - t0
     res.kl_after, res.sim_after = evaluate()
     opt.zero_grad(set_to_none=True)
@@ -315,9 +349,25 @@ def teacher_outputs(fm: FeatureModel, expert: str | os.PathLike, head: Head, inp
     return torch.cat(out)
 
 
+def _patch_support(model: torch.nn.Module, prev: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Parameter name → bool mask of the entries where ``model`` differs from ``prev`` (same
+    architecture; ``prev`` is freed)."""
+    theirs = dict(prev.named_parameters())
+    out = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            q = theirs.get(name)
+            if q is None or q.shape != p.shape:
+                raise DistillError(f"the previous version has no parameter {name} of shape {tuple(p.shape)}")
+            out[name] = p.ne(q)
+    del theirs, prev
+    return out
+
+
 def distill_backbone(backbone: str | os.PathLike, base: str | os.PathLike, out: str | os.PathLike, *,
                      tasks: Sequence[DistillTask], params: DistillParams = DistillParams(),
-                     anchors: Sequence[AuxItem] = (), feature_model: FeatureModel | None = None,
+                     anchors: Sequence[AuxItem] = (), within_patch_from: str | os.PathLike | None = None,
+                     feature_model: FeatureModel | None = None,
                      cache_dir: str | os.PathLike | None = None,
                      device: str | torch.device = "cpu",
                      progress: Callable[[int, float], None] | None = None) -> tuple[Path, DistillResult]:
@@ -333,6 +383,9 @@ def distill_backbone(backbone: str | os.PathLike, base: str | os.PathLike, out: 
         tasks: every task seen so far (:class:`DistillTask`).
         anchors: general inputs for the similarity term (see :func:`distill`); their θ₀ features are
             computed here (and cached like the tasks').
+        within_patch_from: the previous version (same form): only the entries where ``backbone``
+            differs from it are trained, so the patch from it to ``out`` touches no entry the
+            fold's patch did not (a ``patch_budget``'s bound holds). None: every entry is trained.
         feature_model: default :class:`~mergestream.ri.HFEncoderFeatures` with the backbone's
             tokenizer (the base's when it has none).
         cache_dir: where θ₀'s features of each task's inputs are cached (None: not cached).
@@ -347,7 +400,8 @@ def distill_backbone(backbone: str | os.PathLike, base: str | os.PathLike, out: 
             model's parameters.
     """
     backbone, base, out = Path(backbone), Path(base), Path(out)
-    for what, p in (("backbone", backbone), ("base", base)):
+    prev = [("previous version", Path(within_patch_from))] if within_patch_from is not None else []
+    for what, p in (("backbone", backbone), ("base", base), *prev):
         if not p.exists():
             raise DistillError(f"distil {what} {p} does not exist")
     if out.exists() and out.resolve() != backbone.resolve():
@@ -367,10 +421,13 @@ def distill_backbone(backbone: str | os.PathLike, base: str | os.PathLike, out: 
         bf = [base_features(feature_model, base, t.inputs, cache_dir=cache, device=dev) for t in tasks]
         af = base_features(feature_model, base, list(anchors), cache_dir=cache, device=dev) if anchors else None
         model = feature_model.load(backbone, dev)
+        mask = None
+        if within_patch_from is not None:
+            mask = _patch_support(model, feature_model.load(Path(within_patch_from), dev))
     except RIError as exc:
         raise DistillError(str(exc)) from exc
     res = distill(model, feature_model.features, tasks, bf, params, anchors=anchors, anchor_feats=af,
-                  progress=progress)
+                  train_mask=mask, progress=progress)
     write_trained(model, backbone, out, {"mergestream.distill": json.dumps({**res.to_json(), "params": asdict(params)})},
                   error=DistillError)
     return out, res

@@ -5,6 +5,7 @@ does not fit, and the config's rules."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -154,9 +155,6 @@ def test_config_defaults_and_bad_values(bert, tmp_path):
         with pytest.raises(ValidationError):
             Config(base=bert, inbox=tmp_path / "i", state_dir=tmp_path / "s", policy={"name": "task_arithmetic", **bad})
     json.dumps(c.policy.distill.model_dump())  # a plain record
-    with pytest.raises(ValidationError, match="patch_budget's bound"):
-        Config(base=bert, inbox=tmp_path / "i", state_dir=tmp_path / "s",
-               policy={"name": "iso_c", "params": {"patch_budget": 0.2}, "postprocess": ["distill"]})
 
 
 class _FailingFeatures:
@@ -228,3 +226,31 @@ def test_the_sentence_similarity_probe_gives_the_step_its_anchors(bert, experts,
             svc.shutdown()
         assert statuses(svc) == {"e0": "accepted"}, name
         assert fold_doc(tmp_path / name, 1)["distill"]["anchors"] == want, name
+
+
+def test_under_a_patch_budget_the_step_trains_only_what_the_fold_changed(bert, experts, tmp_path):
+    """patch_budget + distil: version 2 differs from version 1 in no more entries than the budget
+    allows (the step trained only the fold's patch, recorded), yet it is closer to the experts than
+    the same budgeted folds without the step."""
+    from .conftest import load_dir
+
+    budget = {"name": "iso_c", "params": {"alpha": 1.0, "patch_budget": 0.2}}
+    svc = service(tmp_path / "d", bert, {**budget, "postprocess": ["distill"], "distill": DISTIL["distill"]})
+    plain = service(tmp_path / "p", bert, budget)
+    try:
+        feed(svc, experts[:2])
+        feed(plain, experts[:2])
+    finally:
+        svc.shutdown()
+        plain.shutdown()
+    assert statuses(svc) == {"e0": "accepted", "e1": "accepted"}
+    v = [load_dir(tmp_path / "d" / "state" / "versions" / f"00000{i}" / "model") for i in (1, 2)]
+    rec = fold_doc(tmp_path / "d", 2)["distill"]
+    changed = sum(int((v[1][k] != v[0][k]).sum()) for k in v[0])
+    assert 0 < changed <= rec["trained_entries"]
+    for k, t in v[0].items():  # the budget's bound on every matrix (1-D tensors are folded whole)
+        if t.dim() >= 2:
+            assert int((v[1][k] != t).sum()) <= math.ceil(0.2 * t.numel()), k
+    assert fold_doc(tmp_path / "d", 1)["distill"]["trained_entries"] is None  # the first version is whole
+    published = [tmp_path / w / "state" / "versions" / "000002" / "model" for w in ("d", "p")]
+    assert kl_to_experts(published[0], experts[:2], bert) < kl_to_experts(published[1], experts[:2], bert)

@@ -253,3 +253,33 @@ def test_anchors_off_or_without_their_features_are_handled(bert, backbone, tasks
         res = distill(model, fm.features, tasks, bf, DistillParams(steps=2, lr=1e-3, anchor_batch=0), **kw)
         runs.append((res.anchors, res.losses))
     assert runs[0] == runs[1] and runs[0][0] == 0
+
+
+def test_within_the_previous_versions_patch_only_the_folds_changed_entries_move(bert, experts, backbone, tasks,
+                                                                                  tmp_path):
+    """``within_patch_from``: the distilled backbone differs from the previous version only where
+    the fold's output did (a patch budget's bound holds), and there it still learns."""
+    from mergestream.engine import fold as fold_once
+
+    # a second fold that changes a fifth of the entries: Iso-C with a patch budget
+    pol = {"alpha": 1.0, "patch_budget": 0.2}
+    prev, sparse = tmp_path / "v1", tmp_path / "sparse"
+    fold_once(bert, None, experts[0], "iso_c", pol, state_dir=tmp_path / "state", out=prev, expert_id="e0")
+    fold_once(bert, prev, experts[1], "iso_c", pol, state_dir=tmp_path / "state", out=sparse, expert_id="e1")
+    p = DistillParams(steps=10, lr=1e-3, batch_per_task=8)
+    out, res = distill_backbone(sparse, bert, tmp_path / "d", tasks=tasks, params=p, within_patch_from=prev)
+    free_out, free = distill_backbone(sparse, bert, tmp_path / "free", tasks=tasks, params=p)
+    before, after, old = load_dir(sparse), load_dir(out), load_dir(prev)
+    changed_by_fold = sum(int((before[k] != old[k]).sum()) for k in old)
+    total = sum(v.numel() for v in old.values())
+    assert 0 < changed_by_fold < 0.3 * total
+    assert res.trained_entries == changed_by_fold and free.trained_entries is None
+    moved = 0
+    for k in old:
+        outside = before[k] == old[k]
+        assert torch.equal(after[k][outside], old[k][outside]), k  # bit for bit outside the fold's patch
+        moved += int((after[k] != before[k]).sum())
+    assert moved > 0.5 * changed_by_fold and res.kl_after < res.kl_before
+    assert sum(int((load_dir(free_out)[k] != old[k]).sum()) for k in old) > 2 * changed_by_fold  # without it
+    with pytest.raises(DistillError, match="previous version .* does not exist"):
+        distill_backbone(sparse, bert, tmp_path / "x", tasks=tasks, params=p, within_patch_from=tmp_path / "nosuch")

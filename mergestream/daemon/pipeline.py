@@ -273,7 +273,10 @@ class Pipeline:
                 raise _Duplicate(dup)
         if "distill" in pol.postprocess:  # the backbone trained toward each task's expert (.prestep)
             try:
-                self.presteps.distill(att, (row.expert_id, att.candidate_expert))
+                # under a patch budget the step trains only what the fold changed: the bound holds
+                budgeted = float(pol.params.get("patch_budget", 1)) < 1
+                self.presteps.distill(att, (row.expert_id, att.candidate_expert),
+                                      within_patch_from=backbone if budgeted else None)
             except PreStepRejected as exc:
                 return Outcome("rejected", self._as_arrived(row, str(exc)), "postprocess")
             except (StopRequested, OSError):

@@ -164,14 +164,17 @@ class PreSteps:
                                 read_aux(rc.data, oc.adamerging_examples), feature_model=fm,
                                 batch_size=rc.batch_size, device=self.cfg.device, on_eval=self.heartbeat)
 
-    def distill(self, att: Any, candidate: tuple[str, Path | None] | None, exclude: str | None = None) -> None:
+    def distill(self, att: Any, candidate: tuple[str, Path | None] | None, exclude: str | None = None,
+                within_patch_from: Path | None = None) -> None:
         """The distil post-step on the candidate backbone ``att.staging/model``, in place
         (:func:`mergestream.distill.distill_backbone`, ``policy.distill``): the tasks are every
         accepted expert's task probe but ``exclude``'s (an unmerge) and ``candidate``'s own,
         ``(expert id, its folder)``; each task's target is its expert's outputs (the kept copy; the
         candidate's folder) on the first ``examples_per_task`` inputs of its probe, computed once per
-        expert. No task probe at all: the step is skipped (recorded). Records timings and
-        ``fold.json``'s ``distill``.
+        expert. No task probe at all: the step is skipped (recorded). ``within_patch_from``: the
+        previous version, under a ``patch_budget``: only the entries the fold changed are trained
+        (:func:`mergestream.distill.distill_backbone`). Records timings and ``fold.json``'s
+        ``distill``.
 
         Raises:
             PreStepRejected: the step cannot run (an expert or its head does not fit the features,
@@ -208,7 +211,7 @@ class PreSteps:
             t = time.time()
             model = att.staging / "model"
             _, res = distill_backbone(model, base, model, tasks=tasks, params=params, anchors=self._anchors(),
-                                      feature_model=fm, cache_dir=self.cfg.state_dir / "cache", device=self.cfg.device, progress=progress)
+                                      within_patch_from=within_patch_from, feature_model=fm, cache_dir=self.cfg.state_dir / "cache", device=self.cfg.device, progress=progress)
         except MergestreamError as exc:  # DistillError, RIError (the feature model), ProbeError (a probe file)
             raise PreStepRejected(f"distil post-step: {exc}") from exc
         att.timings.update(distill_seconds=time.time() - t, distill_steps=float(res.steps),
