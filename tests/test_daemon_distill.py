@@ -226,6 +226,8 @@ def test_the_sentence_similarity_probe_gives_the_step_its_anchors(bert, experts,
             svc.shutdown()
         assert statuses(svc) == {"e0": "accepted"}, name
         assert fold_doc(tmp_path / name, 1)["distill"]["anchors"] == want, name
+        card = (tmp_path / name / "state" / "versions" / "000001" / "model" / "README.md").read_text()
+        assert (f"kept on {want} general anchor sentences" in card) == bool(want), name
 
 
 def test_under_a_patch_budget_the_step_trains_only_what_the_fold_changed(bert, experts, tmp_path):
@@ -253,4 +255,5 @@ def test_under_a_patch_budget_the_step_trains_only_what_the_fold_changed(bert, e
             assert int((v[1][k] != t).sum()) <= math.ceil(0.2 * t.numel()), k
     assert fold_doc(tmp_path / "d", 1)["distill"]["trained_entries"] is None  # the first version is whole
     published = [tmp_path / w / "state" / "versions" / "000002" / "model" for w in ("d", "p")]
+    assert f"only the {rec['trained_entries']} entries the fold changed" in (published[0] / "README.md").read_text()
     assert kl_to_experts(published[0], experts[:2], bert) < kl_to_experts(published[1], experts[:2], bert)

@@ -150,6 +150,10 @@ def render_card(meta: Mapping[str, str], *, base_fields: Mapping[str, Any] | Non
         p = distil.get("params") or {}
         tasks = ", ".join(map(str, distil.get("tasks") or []))
         what = f"{distil['steps']} AdamW steps toward the experts of {tasks} (gamma {p.get('gamma')}, lr {p.get('lr')})"
+        if distil.get("anchors"):
+            what += f"; θ₀'s geometry kept on {distil['anchors']} general anchor sentences"
+        if distil.get("trained_entries") is not None:
+            what += f"; only the {distil['trained_entries']} entries the fold changed (patch budget)"
         lines.append(f"| distil post-step | {_cell(what)} |")
     lines += ["", "## Experts, in fold order", ""]
     if ids:
