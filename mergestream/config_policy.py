@@ -142,12 +142,17 @@ class PolicyConfig(_Section):
         even ``{}``, is kept)."""
         if isinstance(data, dict) and "name" not in data and "params" not in data:
             data = {**data, "params": dict(RECOMMENDED_PARAMS)}
-        if isinstance(data, dict) and "unmerge_mode" not in data and _CHECK_POLICY.get():
+        if not isinstance(data, dict) or "unmerge_mode" in data:
+            return data
+        post = data.get("postprocess")
+        if isinstance(post, list) and "distill" in post:  # whatever the policy, and whether it builds
+            return {**data, "unmerge_mode": "replay"}
+        if _CHECK_POLICY.get():
             try:
                 pol = _make_policy(data.get("name", RECOMMENDED_POLICY), data.get("params") or {})
             except Exception:  # noqa: BLE001 - any malformed name or params: reported by the checks below
                 return data
-            if not pol.subtract_unmerge or "distill" in (data.get("postprocess") or []):  # e.g. Iso-C
+            if not pol.subtract_unmerge:  # e.g. Iso-C
                 data = {**data, "unmerge_mode": "replay"}
         return data
 

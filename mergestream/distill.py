@@ -122,7 +122,8 @@ class DistillResult:
 
     Attributes:
         steps: AdamW steps taken; seconds: wall time of the optimisation (s).
-        stopped: ``"steps"``, ``"time"`` or ``"identity"`` (no steps).
+        stopped: ``"steps"``, ``"time"``, ``"identity"`` (no steps) or ``"nothing to train"`` (a
+            train mask without a True entry: the model is unchanged).
         kl_before / kl_after: the mean KL term on the evaluation inputs at the fold's result and after.
         sim_before / sim_after: the similarity term (unweighted) on the same inputs.
         tasks: the tasks distilled, in order.
@@ -210,7 +211,7 @@ def distill(model: torch.nn.Module, features: Callable[[torch.nn.Module, list[Au
         train_mask: parameter name → bool tensor of its shape: only the True entries are trained;
             every other entry keeps its value bit for bit (AdamW without weight decay never moves an
             entry whose gradient is always 0), and a parameter without a True entry, or without a
-            mask, is not trained. None: every entry is trained.
+            mask, is not trained; no True entry at all: no step is taken. None: every entry is trained.
         progress: called after every step with (step, mini-batch loss).
 
     Returns:
@@ -276,8 +277,12 @@ def distill(model: torch.nn.Module, features: Callable[[torch.nn.Module, list[Au
                 hooks.append(p.register_hook(lambda g, keep=keep: g * keep))
         ids = {id(q) for q in trainable}
         res.trained_entries = int(sum(int(train_mask[n].sum()) for n, p in model.named_parameters() if id(p) in ids))
-        if not trainable:
-            raise DistillError("the train mask leaves no entry to train")
+        if not trainable:  # e.g. a fold that changed nothing under a patch budget: nothing to train
+            res.stopped = "nothing to train"
+            res.kl_after, res.sim_after = res.kl_before, res.sim_before
+            model.train(was_training)
+            log.info("distil: the fold changed no entry, nothing to train")
+            return res
     opt = torch.optim.AdamW(trainable, lr=params.lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(params.seed)
     orders: list[list[int]] = [[] for _ in tasks]

@@ -217,7 +217,8 @@ def test_the_sentence_similarity_probe_gives_the_step_its_anchors(bert, experts,
     probes = [{"type": "classification"}, {"type": "sentence_similarity", "params": {"data": str(pairs)}}]
     for name, distill, probe_list, want in (
             ("on", {}, probes, 20), ("all", {"anchor_examples": 1000}, probes, 24),
-            ("off", {"anchor_examples": 0}, probes, 0), ("noprobe", {}, [{"type": "classification"}], 0)):
+            ("off", {"anchor_examples": 0}, probes, 0), ("noprobe", {}, [{"type": "classification"}], 0),
+            ("max_pairs", {}, [{"type": "sentence_similarity", "params": {"data": str(pairs), "max_pairs": 5}}], 10)):
         policy = {**DISTIL, "distill": {**DISTIL["distill"], "anchor_examples": 20, **distill}}
         svc = service(tmp_path / name, bert, policy, probes=probe_list)
         try:
@@ -257,3 +258,25 @@ def test_under_a_patch_budget_the_step_trains_only_what_the_fold_changed(bert, e
     published = [tmp_path / w / "state" / "versions" / "000002" / "model" for w in ("d", "p")]
     assert f"only the {rec['trained_entries']} entries the fold changed" in (published[0] / "README.md").read_text()
     assert kl_to_experts(published[0], experts[:2], bert) < kl_to_experts(published[1], experts[:2], bert)
+
+
+def test_a_distil_config_defaults_to_replay_for_every_reader_and_names_its_real_error(bert, tmp_path):
+    """The operator commands load the config without building the policy: a distil config without
+    ``unmerge_mode`` is still replay there (not refused as subtract), and a bad policy parameter
+    beside distil is reported as itself, not as the subtract rule."""
+    from mergestream.config import ConfigError, load_config
+
+    def cfg(params: str) -> Path:
+        path = tmp_path / f"c{len(list(tmp_path.iterdir()))}.yaml"
+        path.write_text(f"base: {bert}\ninbox: {tmp_path / 'inbox'}\nstate_dir: {tmp_path / 'state'}\n"
+                        f"policy:\n  name: iso_c\n  params: {params}\n  postprocess: [distill]\n")
+        return path
+
+    good = cfg("{alpha: 1.0, patch_budget: 0.2}")
+    for check in (True, False):
+        assert load_config(good, check_policy=check).policy.unmerge_mode == "replay"
+    for bad, words in (("{patch_budget: 0}", "patch_budget"), ("{patch_budget: .nan}", "patch_budget"),
+                       ("{foo: 1}", "foo")):
+        with pytest.raises(ConfigError) as err:
+            load_config(cfg(bad))
+        assert words in str(err.value) and "subtract" not in str(err.value), str(err.value)

@@ -283,3 +283,19 @@ def test_within_the_previous_versions_patch_only_the_folds_changed_entries_move(
     assert sum(int((load_dir(free_out)[k] != old[k]).sum()) for k in old) > 2 * changed_by_fold  # without it
     with pytest.raises(DistillError, match="previous version .* does not exist"):
         distill_backbone(sparse, bert, tmp_path / "x", tasks=tasks, params=p, within_patch_from=tmp_path / "nosuch")
+
+
+def test_a_mask_without_an_entry_to_train_is_a_recorded_no_op(bert, backbone, tasks):
+    """Under a patch budget a fold may change nothing (λ 0): the step then takes no step and
+    leaves the backbone as it is, instead of refusing the expert."""
+    fm = HFEncoderFeatures(bert, max_length=16)
+    model = fm.load(backbone, torch.device("cpu"))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    bf = [torch.zeros(len(t.inputs), H) for t in tasks]
+    mask = {n: torch.zeros_like(p, dtype=torch.bool) for n, p in model.named_parameters()}
+    res = distill(model, fm.features, tasks, bf, DistillParams(steps=3, lr=1e-3), train_mask=mask)
+    assert res.stopped == "nothing to train" and res.steps == 0 and res.trained_entries == 0
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    with pytest.raises(DistillError, match="train mask of"):
+        distill(model, fm.features, tasks, bf, DistillParams(steps=1),
+                train_mask={n: torch.ones(3, dtype=torch.bool) for n, _ in model.named_parameters()})

@@ -220,7 +220,8 @@ class PreSteps:
 
     def _anchors(self) -> list[tuple[str, None]]:
         """The distil step's general anchors: the first ``policy.distill.anchor_examples`` distinct
-        sentences of the configured ``sentence_similarity`` probe's pairs (none without one).
+        sentences of the pairs the first configured ``sentence_similarity`` probe reads (its
+        ``max_pairs``); none without one, or with ``gamma`` 0.
 
         Raises:
             ProbeError: a malformed probe file.
@@ -230,7 +231,7 @@ class PreSteps:
         if n == 0 or general is None or self.cfg.policy.distill.gamma == 0:
             return []
         seen: dict[str, None] = {}
-        for _, a, b in read_scored_pairs(general.data, None):
+        for _, a, b in read_scored_pairs(general.data, general.max_pairs):
             for sentence in (a, b):
                 if len(seen) < n:
                     seen.setdefault(sentence)
