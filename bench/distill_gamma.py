@@ -1,13 +1,18 @@
-"""Choose the distil post-step's γ (``mergestream.distill``) on validation rows, never test rows.
+"""Choose the distil post-step's γ and anchors (``mergestream.distill``) on validation rows, never test rows.
 
 Folds the 8 real MiniLM experts of ``bench/results/quality.json`` with Iso-C at its tuned
-parameters (order-free: the one-shot merge of all 8), then distils that backbone once per γ toward
-every expert (``--steps`` AdamW steps, ``--aux`` unlabeled train inputs per task), and reports ACC,
-G and H on the validation rows carved before the experts were trained with G on STS-B *dev*
-(what chooses γ), and on the benchmark's test rows (for the record only).
+parameters (order-free: the one-shot merge of all 8), then distils that backbone once per (anchor
+count, γ) toward every expert (``--steps`` AdamW steps, ``--aux`` unlabeled train inputs per task,
+``--anchors`` STS-B train sentences that are in neither dev nor test), and reports ACC, G and H on
+the validation rows carved before the experts were trained with G on STS-B *dev* (what chooses),
+and on the benchmark's test rows (for the record only).
 
     .venv/bin/python bench/distill_gamma.py --gammas 0.1,0.3,1.0 --steps 100 --aux 128 \
         --json bench/results/distill_gamma.json
+    .venv/bin/python bench/distill_gamma.py --gammas 0.3 --anchors 0,1024 --json ...
+
+``bench/results/distill_anchors.json`` holds the runs that chose 1024 anchors at γ 0.3 with 128
+inputs per task (each run's command is in it).
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ class DistillConfig(_Section):
     batch_per_task: int = Field(8, ge=1, description="inputs of each task per step")
     examples_per_task: int = Field(128, ge=1, description="first N inputs of each task probe (their labels unused)")
     max_length: int = Field(64, ge=1, description="tokens per input (Hugging Face features)")
-    anchor_examples: int = Field(256, ge=0, description="first N distinct sentences of the sentence_similarity "
+    anchor_examples: int = Field(1024, ge=0, description="first N distinct sentences of the sentence_similarity "
                                  "probe kept in θ₀'s geometry by the similarity term (0: none)")
     anchor_batch: int = Field(16, ge=1, description="anchor sentences per step")
     time_budget_seconds: float | None = Field(600.0, ge=0, description="time budget per fold (s)")

@@ -43,7 +43,7 @@ base: {base}
   #                            # expert on its task probe's inputs (experts ship mergestream_probe/);
   #                            # unmerge_mode above must then be replay; with a sentence_similarity probe its
   #                            # sentences are anchors that keep θ₀'s geometry (anchor_examples: 0 for none)
-  # distill: {{steps: 100, gamma: 0.3, examples_per_task: 128, anchor_examples: 256, time_budget_seconds: 600}}
+  # distill: {{steps: 100, gamma: 0.3, examples_per_task: 128, anchor_examples: 1024, time_budget_seconds: 600}}
   # with mdm_oc and params {{coefficients: cmaes, budget: 40}}, CMA-ES maximises the data probes:
   # objective: {{task_weight: 1.0, general_weight: 1.0, examples_per_task: 64, general_pairs: 200}}
   # with mdm_oc and params {{coefficients: adamerging}}, per-layer α are learned on ri.data (needed even

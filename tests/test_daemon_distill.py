@@ -144,7 +144,7 @@ def test_config_defaults_and_bad_values(bert, tmp_path):
     c = Config(base=bert, inbox=tmp_path / "i", state_dir=tmp_path / "s", policy={"name": "task_arithmetic",
                                                                                  "postprocess": ["distill"]})
     assert c.policy.unmerge_mode == "replay" and c.policy.distill.steps == 100 and c.policy.distill.gamma == 0.3
-    assert c.policy.distill.anchor_examples == 256 and c.policy.distill.anchor_batch == 16
+    assert c.policy.distill.anchor_examples == 1024 and c.policy.distill.anchor_batch == 16
     for bad in ({"postprocess": ["distill", "distill"]}, {"postprocess": ["other"]},
                 {"postprocess": ["distill"], "distill": {"gamma": -1}}, {"distill": {"lr": 0}},
                 {"distill": {"steps": 10, "nosuch": 1}}, {"distill": {"gamma": float("inf")}},
