@@ -228,7 +228,7 @@ def distill(model: torch.nn.Module, features: Callable[[torch.nn.Module, list[Au
         got = None if anchor_feats is None else tuple(anchor_feats.shape)
         raise DistillError(f"{n_anchor} anchors need θ₀ features (M={n_anchor}, H={tasks[0].head[0].shape[1]}), "
                            f"got {got}")
-    res = DistillResult(tasks=[t.name for t in tasks], anchors=n_anchor if params.anchor_batch else 0)
+    res = DistillResult(tasks=[t.name for t in tasks], anchors=n_anchor if params.anchor_batch and params.gamma else 0)
     if params.steps == 0:
         return res
     was_training = model.training
@@ -253,7 +253,7 @@ def distill(model: torch.nn.Module, features: Callable[[torch.nn.Module, list[Au
         return torch.stack(kls).mean(), sim
 
     ev = [list(range(min(len(t.inputs), params.eval_examples))) for t in tasks]
-    ev_anchor = list(range(min(n_anchor, params.eval_examples))) if params.anchor_batch else []
+    ev_anchor = list(range(min(n_anchor, params.eval_examples))) if res.anchors else []
 
     def evaluate() -> tuple[float, float]:
         with torch.no_grad():
@@ -272,9 +272,9 @@ def distill(model: torch.nn.Module, features: Callable[[torch.nn.Module, list[Au
             if m.shape != p.shape:
                 raise DistillError(f"train mask of {name} is {tuple(m.shape)}, the parameter {tuple(p.shape)}")
             trainable.append(p)
-            if not bool(m.all()):
-                keep = m.to(p.device, p.dtype)
-                hooks.append(p.register_hook(lambda g, keep=keep: g * keep))
+            if not bool(m.all()):  # a bool mask (1 byte an entry), not a float copy of the parameter
+                drop = ~m.to(p.device)
+                hooks.append(p.register_hook(lambda g, drop=drop: g.masked_fill(drop, 0.0)))
         ids = {id(q) for q in trainable}
         res.trained_entries = int(sum(int(train_mask[n].sum()) for n, p in model.named_parameters() if id(p) in ids))
         if not trainable:  # e.g. a fold that changed nothing under a patch budget: nothing to train
@@ -324,8 +324,9 @@ def distill(model: torch.nn.Module, features: Callable[[torch.nn.Module, list[Au
     res.kl_after, res.sim_after = evaluate()
     opt.zero_grad(set_to_none=True)
     model.train(was_training)
-    log.info("distil tasks=%d anchors=%d steps=%d stopped=%s seconds=%.1f kl=%.5g->%.5g sim=%.5g->%.5g", len(tasks),
-             res.anchors, res.steps, res.stopped, res.seconds, res.kl_before, res.kl_after, res.sim_before, res.sim_after)
+    log.info("distil tasks=%d anchors=%d steps=%d stopped=%s seconds=%.1f kl=%.5g->%.5g sim=%.5g->%.5g",
+             len(tasks), res.anchors, res.steps, res.stopped, res.seconds, res.kl_before, res.kl_after,
+             res.sim_before, res.sim_after)
     return res
 
 
@@ -356,7 +357,7 @@ def teacher_outputs(fm: FeatureModel, expert: str | os.PathLike, head: Head, inp
 
 def _patch_support(model: torch.nn.Module, prev: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Parameter name → bool mask of the entries where ``model`` differs from ``prev`` (same
-    architecture; ``prev`` is freed)."""
+    architecture)."""
     theirs = dict(prev.named_parameters())
     out = {}
     with torch.no_grad():
@@ -365,7 +366,6 @@ def _patch_support(model: torch.nn.Module, prev: torch.nn.Module) -> dict[str, t
             if q is None or q.shape != p.shape:
                 raise DistillError(f"the previous version has no parameter {name} of shape {tuple(p.shape)}")
             out[name] = p.ne(q)
-    del theirs, prev
     return out
 
 

@@ -211,7 +211,9 @@ class PreSteps:
             t = time.time()
             model = att.staging / "model"
             _, res = distill_backbone(model, base, model, tasks=tasks, params=params, anchors=self._anchors(),
-                                      within_patch_from=within_patch_from, feature_model=fm, cache_dir=self.cfg.state_dir / "cache", device=self.cfg.device, progress=progress)
+                                      within_patch_from=within_patch_from, feature_model=fm,
+                                      cache_dir=self.cfg.state_dir / "cache", device=self.cfg.device,
+                                      progress=progress)
         except MergestreamError as exc:  # DistillError, RIError (the feature model), ProbeError (a probe file)
             raise PreStepRejected(f"distil post-step: {exc}") from exc
         att.timings.update(distill_seconds=time.time() - t, distill_steps=float(res.steps),
