@@ -142,16 +142,20 @@ GRID = {"task_arithmetic": ("lambda", [0.1, 0.15, 0.2, 0.3, 0.5]), "ties": ("lam
 UAD_POLICIES = ("task_arithmetic", "mdm_oc")
 
 
-def _sts_sentences(path: Path) -> dict[str, None]:
-    """The distinct sentences of an STS-B csv split, in file order."""
-    seen: dict[str, None] = {}
+def _sts_rows(path: Path) -> list[tuple[float, str, str]]:
+    """``(score, text, text2)`` of every row of an STS-B csv split (``raw/stsbenchmark``), in file order."""
+    rows = []
     with open(path, encoding="utf-8") as fh:
         for line in fh:
             parts = line.rstrip("\n").split("\t")
             if len(parts) >= 7:
-                seen.setdefault(parts[5])
-                seen.setdefault(parts[6])
-    return seen
+                rows.append((float(parts[4]), parts[5], parts[6]))
+    return rows
+
+
+def _sts_sentences(path: Path) -> dict[str, None]:
+    """The distinct sentences of an STS-B csv split, in file order."""
+    return dict.fromkeys(s for _, a, b in _sts_rows(path) for s in (a, b))
 
 
 def sts_train_sentences(data: Path) -> list[tuple[str, None]]:
@@ -165,13 +169,7 @@ def sts_train_sentences(data: Path) -> list[tuple[str, None]]:
 
 
 def read_sts_dev(data: Path, n: int | None) -> list[tuple[float, str, str]]:
-    rows = []
-    with open(data / "raw" / "stsbenchmark" / "sts-dev.csv", encoding="utf-8") as fh:
-        for line in fh:
-            parts = line.rstrip("\n").split("\t")
-            if len(parts) >= 7:
-                rows.append((float(parts[4]), parts[5], parts[6]))
-    return X.subsample(rows, n, seed=0)
+    return X.subsample(_sts_rows(data / "raw" / "stsbenchmark" / "sts-dev.csv"), n, seed=0)
 
 
 class Evaluator:
@@ -751,25 +749,22 @@ def main(argv: list[str] | None = None) -> int:
     d_tasks: dict[str, DistillTask] = {}
     d_fm = HFEncoderFeatures(X.base_model_path(), max_length=dparams.max_length)
 
-    def distil(seen: tuple[str, ...], out_dir: Path, within: Path | None) -> float:
+    def distil(seen: tuple[str, ...], out_dir: Path, prev: Path | None, *, budgeted: bool) -> float:
         """The distil post-step on a fold's output, in place: every seen task's head toward its
-        (original) expert's outputs on --distill-aux unlabeled train inputs, training only the
-        entries the fold changed from ``within`` (a budgeted row's previous version) when given, as
-        the daemon does under a patch budget; returns its seconds."""
+        (original) expert's outputs on --distill-aux unlabeled train inputs; in a ``budgeted`` row
+        only the entries the fold changed from ``prev`` are trained, as the daemon does under a
+        patch budget; returns its seconds."""
         t0 = time.perf_counter()
         for s_ in seen:
             if s_ not in d_tasks:
                 inputs = [(r[0], r[1]) for r in X.subsample(tdata[s_].train, args.distill_aux, seed=5)]
                 d_tasks[s_] = DistillTask(s_, heads[s_], inputs, teacher_outputs(d_fm, experts[s_], heads[s_], inputs))
         _, dres = distill_backbone(out_dir, X.base_model_path(), out_dir, tasks=[d_tasks[s_] for s_ in seen],
-                                   params=dparams, anchors=d_anchors, within_patch_from=within,
+                                   params=dparams, anchors=d_anchors, within_patch_from=prev if budgeted else None,
                                    feature_model=d_fm, cache_dir=work / "distill-cache")
         log(f"  distil {len(seen)} task(s): KL {dres.kl_before:.4f} -> {dres.kl_after:.4f}, "
             f"similarity {dres.sim_before:.4f} -> {dres.sim_after:.4f}, {dres.seconds:.1f}s")
         return time.perf_counter() - t0
-
-    def budgeted_distil(budgeted: bool, seen: tuple[str, ...], out_dir: Path, prev_dir: Path | None) -> float:
-        return distil(seen, out_dir, prev_dir if budgeted else None)
 
     save_outputs(document(), out)  # the references and the plan, before the first run
     # every policy on the file order first, then the shuffles (an interrupted run keeps the former)
@@ -810,7 +805,7 @@ def main(argv: list[str] | None = None) -> int:
             res = fold_stream(order, experts, pol, params, ev, work, full_steps=full, log=log, objective_for=objective_for,
                               keep_final=want_uad, patches=seed is None and not args.no_patches,
                               ri=ri if use_ri else None, threads=fold_threads,
-                              post=partial(budgeted_distil, float(params.get("patch_budget", 1)) < 1)
+                              post=partial(distil, budgeted=float(params.get("patch_budget", 1)) < 1)
                               if use_distill else None)
             if use_distill:
                 res["ran_params"].update({"distill_steps": dparams.steps, "distill_lr": dparams.lr,

@@ -236,8 +236,7 @@ _ADDITIVE = frozenset({"ri_policies", "distill_policies"})
 
 # options that decide only the +distill rows' numbers; each run records them (``ran_params``), and a
 # resumed run with other values re-runs those rows (:func:`stale_distill_runs`) instead of refusing
-DISTILL_ROW_OPTIONS = {"distill_steps": "distill_steps", "distill_lr": "distill_lr", "distill_gamma": "distill_gamma",
-                       "distill_aux": "distill_aux", "distill_anchors": "distill_anchors"}
+DISTILL_ROW_OPTIONS = ("distill_steps", "distill_lr", "distill_gamma", "distill_aux", "distill_anchors")
 # what a run recorded before an option existed ran with
 _DISTILL_BEFORE = {"distill_anchors": 0}
 
@@ -247,8 +246,7 @@ def stale_distill_runs(runs: list[dict[str, Any]], args: Any) -> list[dict[str, 
     ``args``'s: a resumed run drops and re-runs them (their rows' numbers are those options')."""
     now = json.loads(json.dumps({k: getattr(args, k) for k in DISTILL_ROW_OPTIONS}))
     return [r for r in runs if str(r.get("variant", "")).endswith("+distill")
-            and any(r.get("ran_params", {}).get(rp, _DISTILL_BEFORE.get(rp)) != now[k]
-                    for k, rp in DISTILL_ROW_OPTIONS.items())]
+            and any(r.get("ran_params", {}).get(k, _DISTILL_BEFORE.get(k)) != now[k] for k in DISTILL_ROW_OPTIONS)]
 
 
 def _grows(had: Any, now: Any) -> bool:

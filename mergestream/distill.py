@@ -264,7 +264,7 @@ def distill(model: torch.nn.Module, features: Callable[[torch.nn.Module, list[Au
     trainable = [p for p in model.parameters() if p.requires_grad and p.is_floating_point()]
     hooks = []
     if train_mask is not None:
-        trainable = []
+        trainable, res.trained_entries = [], 0
         for name, p in model.named_parameters():
             m = train_mask.get(name)
             if not (p.requires_grad and p.is_floating_point()) or m is None or not bool(m.any()):
@@ -272,11 +272,10 @@ def distill(model: torch.nn.Module, features: Callable[[torch.nn.Module, list[Au
             if m.shape != p.shape:
                 raise DistillError(f"train mask of {name} is {tuple(m.shape)}, the parameter {tuple(p.shape)}")
             trainable.append(p)
+            res.trained_entries += int(m.sum())
             if not bool(m.all()):  # a bool mask (1 byte an entry), not a float copy of the parameter
                 drop = ~m.to(p.device)
                 hooks.append(p.register_hook(lambda g, drop=drop: g.masked_fill(drop, 0.0)))
-        ids = {id(q) for q in trainable}
-        res.trained_entries = int(sum(int(train_mask[n].sum()) for n, p in model.named_parameters() if id(p) in ids))
         if not trainable:  # e.g. a fold that changed nothing under a patch budget: nothing to train
             res.stopped = "nothing to train"
             res.kl_after, res.sim_after = res.kl_before, res.sim_before
