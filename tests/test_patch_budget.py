@@ -16,7 +16,7 @@ from mergestream.io.checkpoints import read_state_dict
 from mergestream.io.model_card import provenance_of
 from mergestream.io.state import StateDir
 from mergestream.patches.build import build_patch
-from mergestream.policies import make_policy
+from mergestream.policies import REGISTRY, make_policy
 from mergestream.policies.budget import PatchBudget
 
 from .conftest import perturb, run_cli, save_tensors
@@ -105,6 +105,20 @@ def test_bad_budgets_and_unwrappable_policies_are_policy_errors():
     assert not pol.subtract_unmerge and pol.linear_scale() is None
     assert make_policy("iso_c", pol.refold_params(None)).describe() == pol.describe()
     assert make_policy("task_arithmetic", {"lambda": 0.3, "patch_budget": 1}).linear_scale() == 0.3
+
+
+@pytest.mark.parametrize("policy", sorted(REGISTRY))
+def test_an_unknown_parameter_names_the_wrapper_parameters_every_policy_takes(policy):
+    """The list of known parameters in an unknown-parameter error holds the ones any policy takes
+    (``patch_budget``, ``lines_*``), and a near miss of one of them is suggested, beside a budget or
+    not: the message used to list the inner policy's own keys only."""
+    for params in ({"patch_bugdet": 0.2}, {"patch_budget": 0.2, "patch_bugdet": 0.2}):
+        with pytest.raises(PolicyError, match=r"did you mean 'patch_budget'\?.*with any policy: .*patch_budget.*"
+                                              r"lines_alpha, lines_beta, lines_layers"):
+            make_policy(policy, params)
+    with pytest.raises(PolicyError, match=r"with LiNeS: bad parameters: lines_alfa: unknown parameter "
+                                          r"\(did you mean 'lines_alpha'\? known: lines_alpha, lines_beta, lines_layers\)"):
+        make_policy(policy, {"lines_alpha": 0.5, "lines_alfa": 1})
 
 
 def test_subtract_unmerge_is_refused_and_replay_refolds_with_the_budget(tmp_path, models):

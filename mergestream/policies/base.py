@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -95,6 +95,22 @@ class TensorFold:
         return self.delta if self.scale == 1.0 else self.delta * self.scale
 
 
+
+def explain_error(err: dict[str, Any], params: type[PolicyParams], also: Sequence[str] = ()) -> str:
+    """One pydantic error on ``params`` as a line for a user: ``where: message``; an unknown name
+    gets the closest known one and the list, ``also`` (other accepted names, e.g. the wrappers'
+    parameters) after the model's own."""
+    where = ".".join(map(str, err["loc"])) or "params"
+    if err["type"] != "extra_forbidden":
+        return f"{where}: {err['msg']}"
+    own = [f.alias or n for n, f in params.model_fields.items()]
+    other = [k for k in also if k not in own]
+    close = difflib.get_close_matches(where, own + other, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    tail = f"; with any policy: {', '.join(other)}" if other else ""
+    return f"{where}: unknown parameter ({hint}known: {', '.join(own)}{tail})"
+
+
 class Policy:
     """Base class of merge policies.
 
@@ -146,14 +162,9 @@ class Policy:
     @classmethod
     def _explain(cls, err: dict[str, Any]) -> str:
         """One pydantic error as a line for a user: an unknown name gets the known ones (and the
-        closest)."""
-        where = ".".join(map(str, err["loc"])) or "params"
-        if err["type"] != "extra_forbidden":
-            return f"{where}: {err['msg']}"
-        known = [f.alias or n for n, f in cls.Params.model_fields.items()]
-        close = difflib.get_close_matches(where, known, n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        return f"{where}: unknown parameter ({hint}known: {', '.join(known)})"
+        closest), the wrappers' parameters that any policy accepts among them."""
+        wrapped = [f.alias or n for w in Wrapper.__subclasses__() for n, f in w.Own.model_fields.items()]
+        return explain_error(err, cls.Params, wrapped)
 
     def describe(self) -> dict[str, Any]:
         """Parameters as a JSON-able dict, with METHODS.md names (``lambda``, ``k``, ...)."""
@@ -298,7 +309,7 @@ class Wrapper(Policy):
             try:
                 self.own = self.Own(**params)
             except PydanticValidationError as exc:
-                errs = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+                errs = "; ".join(explain_error(e, self.Own) for e in exc.errors())
                 raise PolicyError(f"policy {inner.name} {self.label}: bad parameters: {errs}") from None
         self.name = inner.name  # type: ignore[misc]
         self.Params = inner.Params  # type: ignore[misc]
