@@ -1,4 +1,4 @@
-"""Choose the distil post-step's γ and anchors (``mergestream.distill``) on validation rows, never test rows.
+"""Choose the distil post-step's γ and anchors (``mergestream.datasteps.distill``) on validation rows, never test rows.
 
 Folds the 8 real MiniLM experts of ``bench/results/quality.json`` with Iso-C at its tuned
 parameters (order-free: the one-shot merge of all 8), then distils that backbone once per (anchor
@@ -34,8 +34,8 @@ from quality_report import hmean  # noqa: E402
 from quality_setup import RESULTS, validation_rows  # noqa: E402
 
 from mergestream import experts as X  # noqa: E402
-from mergestream.distill import DistillParams, DistillTask, distill_backbone, teacher_outputs  # noqa: E402
-from mergestream.ri import HFEncoderFeatures  # noqa: E402
+from mergestream.datasteps.distill import DistillParams, DistillTask, distill_backbone, teacher_outputs  # noqa: E402
+from mergestream.datasteps.ri import HFEncoderFeatures  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

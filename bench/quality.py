@@ -90,16 +90,16 @@ from quality_setup import (  # noqa: E402
 )
 
 from mergestream import experts as X  # noqa: E402
-from mergestream import text as T  # noqa: E402
+from mergestream.datasteps import text as T  # noqa: E402
 from mergestream.config import ObjectiveConfig  # noqa: E402
 from mergestream.daemon.objective import ProbeObjective  # noqa: E402
 from mergestream.daemon.probes import SentenceSimilarityProbe, TaskProbeSpec  # noqa: E402
-from mergestream.distill import DistillParams, DistillTask, distill_backbone, teacher_outputs  # noqa: E402
+from mergestream.datasteps.distill import DistillParams, DistillTask, distill_backbone, teacher_outputs  # noqa: E402
 from mergestream.engine import ExecOptions, fold, unmerge  # noqa: E402
 from mergestream.engine.coefficients import EntropyObjective  # noqa: E402
 from mergestream.io.st import WEIGHTS_HASH_VERSION  # noqa: E402
 from mergestream.patches.build import build_patch  # noqa: E402
-from mergestream.ri import HFEncoderFeatures, RIParams, adapt_expert, load_feature_model  # noqa: E402
+from mergestream.datasteps.ri import HFEncoderFeatures, RIParams, adapt_expert, load_feature_model  # noqa: E402
 
 #: LiNeS for the 6-block MiniLM: shallowest blocks at half the update, the deepest at all of it
 LINES = {"lines_alpha": 0.5, "lines_beta": 0.5, "lines_layers": 6}
@@ -399,7 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="unlabeled train-split inputs per task seen so far used as RI auxiliary data")
     ap.add_argument("--distill-policies", default="",
                     help="row labels (plain, variants or +ri rows, e.g. iso_c,iso_c+ri) also run with the distil "
-                         "post-step after every fold ('+distill' rows; mergestream.distill); '' for none")
+                         "post-step after every fold ('+distill' rows; mergestream.datasteps.distill); '' for none")
     ap.add_argument("--distill-steps", type=int, default=DistillParams().steps, help="distil AdamW steps per fold")
     ap.add_argument("--distill-lr", type=float, default=DistillParams().lr)
     ap.add_argument("--distill-gamma", type=float, default=DistillParams().gamma,

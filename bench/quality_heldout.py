@@ -57,7 +57,7 @@ from quality_setup import (  # noqa: E402
 )
 
 from mergestream import experts as X  # noqa: E402
-from mergestream import text as T  # noqa: E402
+from mergestream.datasteps import text as T  # noqa: E402
 from mergestream.config_policy import ObjectiveConfig, PolicyConfig  # noqa: E402
 from mergestream.daemon.objective import ProbeObjective  # noqa: E402
 from mergestream.daemon.probes import SentenceSimilarityProbe, discover_task_probe  # noqa: E402

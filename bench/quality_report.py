@@ -209,7 +209,7 @@ def write_md(doc: dict[str, Any], path: Path) -> None:
               "model's, mean over folds 2..T of the file order, in patch format 1 and in format 2 with zstd (v2); "
               "RI s = seconds of the RI pre-step per expert "
               "(the first expert of an order has no earlier heads, so RI leaves it unchanged); distil s = seconds of "
-              "the distil post-step per fold (`mergestream.distill`: every seen task's head pulled toward its "
+              "the distil post-step per fold (`mergestream.datasteps.distill`: every seen task's head pulled toward its "
               "expert's outputs on a few unlabeled inputs, θ₀'s similarity geometry kept).", "",
               "BWT = mean over the earlier tasks j < T of a_Tj − a_jj (ours); BWT ref = the same sum divided by "
               "T, the convention of FusionBench and the OPCM/DOP papers (= BWT · (T − 1)/T); a_jj = mean accuracy "

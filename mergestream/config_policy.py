@@ -38,7 +38,7 @@ class RIConfig(_Section):
 
     Each expert that ships a task head (``mergestream_probe/``) is adapted before it is folded:
     it keeps its own head's outputs and, through every earlier accepted task's head, looks like θ₀
-    on the auxiliary inputs (Ramesh et al., arXiv 2603.13467; :mod:`mergestream.ri`).
+    on the auxiliary inputs (Ramesh et al., arXiv 2603.13467; :mod:`mergestream.datasteps.ri`).
     """
 
     data: Path | None = Field(None, description="unlabeled auxiliary inputs: text file (one per line) or JSONL "
@@ -63,7 +63,7 @@ class DistillConfig(_Section):
     After every fold the candidate backbone is trained for a few steps so that, through each task
     head it carries (every accepted expert's task probe and the new expert's), it gives the outputs
     of that task's own expert on the first ``examples_per_task`` inputs of the task probe (their
-    labels are not used), while a similarity term keeps θ₀'s embedding geometry (:mod:`mergestream.distill`)
+    labels are not used), while a similarity term keeps θ₀'s embedding geometry (:mod:`mergestream.datasteps.distill`)
     on those inputs and on the first ``anchor_examples`` sentences of the ``sentence_similarity``
     probe, when one is configured (the general knowledge the gate checks).
     Each expert's outputs are computed from its kept copy. The published version is the distilled

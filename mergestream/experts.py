@@ -41,7 +41,7 @@ cache root is ``MERGESTREAM_CACHE`` or ``~/.cache/mergestream/experts``. Experts
 temporary sibling folder and renamed into place, so a crash never leaves a half-built expert.
 
 Loading, embedding and the measures (STS Spearman, head accuracy, heads) are
-:mod:`mergestream.text`'s, the same code the daemon's probes run; this module only adds what is
+:mod:`mergestream.datasteps.text`'s, the same code the daemon's probes run; this module only adds what is
 specific to building experts (data, recipes, training, the cache).
 """
 
@@ -64,7 +64,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import text
+from .datasteps import text
 from .io.st import copy_aux_files
 
 #: Bump when the training or saving code changes in a way that changes the experts.
@@ -190,7 +190,7 @@ def load_task(name: str, data: str | os.PathLike | None = None) -> TaskData:
 
 def load_sts(data: str | os.PathLike | None = None, max_pairs: int | None = None) -> list[tuple[float, str, str]]:
     """The first ``max_pairs`` (all by default) ``(score, text, text2)`` of ``general/stsb_test.tsv``
-    (:func:`mergestream.text.read_scored_pairs`)."""
+    (:func:`mergestream.datasteps.text.read_scored_pairs`)."""
     return text.read_scored_pairs(data_root(data) / STS_FILE, max_pairs)
 
 
@@ -328,7 +328,7 @@ class ExpertSpec:
 # ------------------------------------------------------------------------------------------
 def load_encoder(path: str | os.PathLike | None = None):
     """(model, tokenizer) in float32 eval mode on the CPU from a Hugging Face folder (θ₀ by
-    default); the model is a private copy (:func:`mergestream.text.load_model` with ``reuse=False``).
+    default); the model is a private copy (:func:`mergestream.datasteps.text.load_model` with ``reuse=False``).
 
     Raises:
         ProbeError: transformers cannot load the folder as a complete encoder or its tokenizer.
@@ -346,7 +346,7 @@ def _texts(rows: list[tuple[str, str | None, int]]) -> tuple[list[str], list[str
 def embed_rows(model, tok, rows: list[tuple[str, str | None, int]], max_length: int = 64,
                batch_size: int = 64) -> torch.Tensor:
     """Mean-pooled embeddings (N × hidden, float32 CPU) of labelled rows ``(text, text2 | None,
-    label)``, batched by length (:func:`mergestream.text.embed`).
+    label)``, batched by length (:func:`mergestream.datasteps.text.embed`).
 
     Raises:
         ProbeError: the model produced NaN/Inf.
@@ -379,7 +379,7 @@ def fit_linear_probe(emb: torch.Tensor, labels: Iterable[int], n_classes: int, l
 
 def sts_spearman(model, tok, pairs: list[tuple[float, str, str]], max_length: int = 128) -> float:
     """100 × Spearman(cosine of mean-pooled embeddings, gold) — the daemon's STS probe's math
-    (:func:`mergestream.text.sts_spearman`, batches of 64); 0.0 when undefined."""
+    (:func:`mergestream.datasteps.text.sts_spearman`, batches of 64); 0.0 when undefined."""
     rho = text.sts_spearman(model, tok, pairs, batch_size=64, max_length=max_length)
     return 0.0 if math.isnan(rho) else rho
 

@@ -17,8 +17,8 @@ from mergestream.errors import PolicyError
 from mergestream.io.checkpoints import read_state_dict
 from mergestream.io.state import StateDir
 from mergestream.policies.adamerging import layer_groups
-from mergestream.ri import load_feature_model
-from mergestream.text import load_head
+from mergestream.datasteps.ri import load_feature_model
+from mergestream.datasteps.text import load_head
 
 from .test_daemon_datadriven import experts, fold_doc, run_service, statuses  # noqa: F401 - fixture
 from .test_probes import bert, sentences, tok_dir  # noqa: F401 - fixtures

@@ -96,8 +96,8 @@ def test_the_cycle_finder_finds_a_deferred_cycle():
 
 
 LOWER = ["mergestream.engine", "mergestream.engine.folding", "mergestream.engine.unmerge", "mergestream.engine.passes",
-         "mergestream.policies", "mergestream.io.checkpoints", "mergestream.io.expert_readers", "mergestream.ri",
-         "mergestream.experts", "mergestream.text", "mergestream.io.st", "mergestream.engine.stream", "mergestream.io.writers",
+         "mergestream.policies", "mergestream.io.checkpoints", "mergestream.io.expert_readers", "mergestream.datasteps.ri",
+         "mergestream.experts", "mergestream.datasteps.text", "mergestream.datasteps.distill", "mergestream.io.st", "mergestream.engine.stream", "mergestream.io.writers",
          "mergestream.engine.residuals", "mergestream.patches", "mergestream.patches.build", "mergestream.engine.inspection",
          "mergestream.io.state", "mergestream.config", "mergestream.engine.fold_tensor", "mergestream.engine.executors",
          "mergestream.engine.executors.recording",

@@ -124,8 +124,8 @@ def test_every_reader_of_outside_json_raises_its_own_error(tmp_path, doc):
     from mergestream.io.s3_checkpoint import S3Ref
     from mergestream.io.state import StateDir
     from mergestream.io.versions import Versions
-    from mergestream.ri import RIError, read_aux
-    from mergestream.text import read_labelled_jsonl
+    from mergestream.datasteps.ri import RIError, read_aux
+    from mergestream.datasteps.text import read_labelled_jsonl
 
     f = tmp_path / "doc.json"
     f.write_text(doc)

@@ -17,9 +17,9 @@ from mergestream import engine
 from mergestream.config import Config
 from mergestream.daemon.service import Service
 from mergestream.daemon.sources import ExpertReady
-from mergestream.distill import teacher_outputs
-from mergestream.ri import HFEncoderFeatures
-from mergestream.text import load_head, read_labelled_jsonl
+from mergestream.datasteps.distill import teacher_outputs
+from mergestream.datasteps.ri import HFEncoderFeatures
+from mergestream.datasteps.text import load_head, read_labelled_jsonl
 
 from .conftest import make_hf_expert, save_tensors
 from .test_daemon_datadriven import fold_doc, ship_probe, statuses

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mergestream import engine, text
+from mergestream import engine
+from mergestream.datasteps import text
 from mergestream.config import ConfigError, load_config
 from mergestream.policies import strength_candidates
 

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 
 from mergestream import engine
-from mergestream.distill import (
+from mergestream.datasteps.distill import (
     DistillError,
     DistillParams,
     DistillTask,
@@ -18,7 +18,7 @@ from mergestream.distill import (
     similarity_term,
     teacher_outputs,
 )
-from mergestream.ri import HFEncoderFeatures
+from mergestream.datasteps.ri import HFEncoderFeatures
 
 from .conftest import load_dir, make_hf_expert
 from .test_probes import WORDS, bert, sentences, tok_dir  # noqa: F401 - fixtures

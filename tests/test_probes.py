@@ -1,4 +1,4 @@
-"""Probes (mergestream.daemon.probes, with mergestream.text underneath): weight-space values checked against hand-computed ones,
+"""Probes (mergestream.daemon.probes, with mergestream.datasteps.text underneath): weight-space values checked against hand-computed ones,
 data probes on the tiny BERT / Llama fixtures with an offline tokenizer, task-probe discovery,
 user entry points and the runner. Real files throughout, no mocks."""
 
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from mergestream import text as T
+from mergestream.datasteps import text as T
 from mergestream.daemon import probes as P
 from mergestream.daemon.probes import (
     ProbeContext,
@@ -29,7 +29,7 @@ from mergestream.daemon.probes import (
 )
 from mergestream.daemon.probes import weight_space as WS
 from mergestream.errors import MergestreamError
-from mergestream.text import spearman
+from mergestream.datasteps.text import spearman
 
 from .conftest import make_hf_expert, save_tensors
 
@@ -781,7 +781,7 @@ def test_run_probes_end_to_end_loads_the_encoder_once(bert, tok_dir, tmp_path, c
     rows = [(i % 3, x, y) for i, x, y in zip(range(6), sentences(6, 1), sentences(6, 2))]
     pairs = write_pairs(tmp_path / "sts.tsv", rows)
     probes = [make_probe("weight_space"), make_probe("sentence_similarity", data=pairs), make_probe("classification")]
-    with caplog.at_level(logging.INFO, logger="mergestream"):  # the probes' and mergestream.text's logs
+    with caplog.at_level(logging.INFO, logger="mergestream"):  # the probes' and mergestream.datasteps.text's logs
         got = run_probes(probes, bert, ctx_for(bert, tasks=[spec]))
     assert set(got) == {"relative_drift", "step_drift", "general_subspace_energy", "max_task_cosine",
                         "sts_spearman", "acc.topic"}
@@ -812,8 +812,8 @@ def test_modules_below_the_daemon_do_not_import_it():
     import subprocess
     import sys
 
-    modules = ("mergestream.text", "mergestream.ri", "mergestream.experts", "mergestream.engine.inspection",
-               "mergestream.engine.linalg", "mergestream.plugins")
+    modules = ("mergestream.datasteps.text", "mergestream.datasteps.ri", "mergestream.datasteps.distill",
+               "mergestream.experts", "mergestream.engine.inspection", "mergestream.engine.linalg", "mergestream.plugins")
     code = ("import sys\n" + "".join(f"import {m}\n" for m in modules) +
             "bad = sorted(k for k in sys.modules if k.startswith('mergestream.daemon'))\n"
             "assert not bad, bad\n")

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from mergestream import engine
-from mergestream.ri import (
+from mergestream.datasteps.ri import (
     HFEncoderFeatures,
     RIError,
     RIParams,

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..text import (
+from ..datasteps.text import (
     load_head,
     load_model,
     load_tokenizer,

@@ -7,7 +7,7 @@ its coefficients.
 task heads RI uses (every accepted expert's and the candidate's) on RI's unlabeled inputs
 (``policy.ri.data``), through RI's feature model.
 
-RI: Resolving Interference (METHODS.md, "RI"), :func:`mergestream.ri.adapt_expert`. The adapted
+RI: Resolving Interference (METHODS.md, "RI"), :func:`mergestream.datasteps.ri.adapt_expert`. The adapted
 copy is written to ``state_dir/ri/<expert>``, the RI home of :class:`.store.KeptExperts` (the one
 place that keeps an accepted expert's files for replay, and removes them once no kept version
 holds the expert).
@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Config
-from ..distill import DistillError, DistillParams, DistillTask, distill_backbone, teacher_outputs
+from ..datasteps.distill import DistillError, DistillParams, DistillTask, distill_backbone, teacher_outputs
 from ..engine.coefficients import EntropyObjective
 from ..errors import MergestreamError
 from ..policies import Policy
-from ..ri import RIError, RIParams, adapt_expert, load_feature_model, read_aux
-from ..text import has_tokenizer, load_head, read_labelled_jsonl, read_scored_pairs
+from ..datasteps.ri import RIError, RIParams, adapt_expert, load_feature_model, read_aux
+from ..datasteps.text import has_tokenizer, load_head, read_labelled_jsonl, read_scored_pairs
 from .objective import ProbeObjective
 from .probes import SentenceSimilarityProbe, discover_task_probe
 from .probing import Prober
@@ -167,13 +167,13 @@ class PreSteps:
     def distill(self, att: Any, candidate: tuple[str, Path | None] | None, exclude: str | None = None,
                 within_patch_from: Path | None = None) -> None:
         """The distil post-step on the candidate backbone ``att.staging/model``, in place
-        (:func:`mergestream.distill.distill_backbone`, ``policy.distill``): the tasks are every
+        (:func:`mergestream.datasteps.distill.distill_backbone`, ``policy.distill``): the tasks are every
         accepted expert's task probe but ``exclude``'s (an unmerge) and ``candidate``'s own,
         ``(expert id, its folder)``; each task's target is its expert's outputs (the kept copy; the
         candidate's folder) on the first ``examples_per_task`` inputs of its probe, computed once per
         expert. No task probe at all: the step is skipped (recorded). ``within_patch_from``: the
         previous version, under a ``patch_budget``: only the entries the fold changed are trained
-        (:func:`mergestream.distill.distill_backbone`). Records timings and ``fold.json``'s
+        (:func:`mergestream.datasteps.distill.distill_backbone`). Records timings and ``fold.json``'s
         ``distill``.
 
         Raises:

@@ -75,7 +75,7 @@ class Service:
         """
         self._check_base()
         if "ri" in self.cfg.policy.preprocess:  # fail fast on a bad RI data file, before any work
-            from ..ri import RIError, read_aux
+            from ..datasteps.ri import RIError, read_aux
 
             try:
                 n = len(read_aux(self.cfg.policy.ri.data, self.cfg.policy.ri.max_examples))
@@ -85,7 +85,7 @@ class Service:
         for key, on in (("ri", "ri" in self.cfg.policy.preprocess), ("distill", "distill" in self.cfg.policy.postprocess)):
             spec = getattr(self.cfg.policy, key).forward
             if on and spec:  # fail fast on a feature model that cannot be built, before any expert is blamed
-                from ..ri import RIError, load_feature_model
+                from ..datasteps.ri import RIError, load_feature_model
 
                 try:
                     load_feature_model(spec, tokenizer=self.cfg.base, what=f"{key}.forward")

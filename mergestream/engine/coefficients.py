@@ -43,7 +43,7 @@ from ..io.writers import AppendWriter
 from ..policies import Policy
 from ..policies.adamerging import adamerging_coefficients, layer_groups, merge_layerwise, prediction_entropy
 from ..policies.lines import block_count
-from ..ri import AuxItem, FeatureModel, Head, _match_names
+from ..datasteps.ri import AuxItem, FeatureModel, Head, _match_names
 
 log = logging.getLogger("mergestream.engine")
 
@@ -168,8 +168,8 @@ class EntropyObjective:
             parameters are only swapped, never changed).
         heads: task name → (weight (C, H), bias (C,)) of its linear head.
         aux: the unlabeled inputs (every head sees all of them: the daemon's RI data is shared).
-        feature_model: how inputs become (B, H) features (RI's :class:`~mergestream.ri.FeatureModel`;
-            the default Hugging Face encoder + pooling of :func:`mergestream.ri.load_feature_model`).
+        feature_model: how inputs become (B, H) features (RI's :class:`~mergestream.datasteps.ri.FeatureModel`;
+            the default Hugging Face encoder + pooling of :func:`mergestream.datasteps.ri.load_feature_model`).
         batch_size: inputs per forward pass (all batches are in one graph: the loss is exact, not a
             mini-batch estimate, so the best iterate is comparable across steps).
         device: torch device of the forward passes.

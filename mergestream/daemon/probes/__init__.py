@@ -13,7 +13,7 @@ causal LM on a text file), ``classification`` (:mod:`.classification`, the task 
 shipped) and ``entrypoint`` (:mod:`.entry_point`, a user function ``package.module:function``).
 Adding a probe is one module plus one line in :data:`PROBE_TYPES`.
 
-Data probes load the candidate with :func:`mergestream.text.load_model` (float32, eval mode, no
+Data probes load the candidate with :func:`mergestream.datasteps.text.load_model` (float32, eval mode, no
 grad, local files only). Nothing model-specific is cached across candidates except tokenizers
 (keyed by the content of their files) and θ₀'s singular vectors; within one :func:`run_probes`
 call a model loaded by one probe is reused by the next one that needs the same class.
@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ... import text
+from ...datasteps import text
 from .base import Probe, ProbeContext, ProbeError, TaskProbeSpec, as_metrics, discover_task_probe
 from .classification import ClassificationProbe
 from .entry_point import EntryPointProbe
@@ -100,7 +100,7 @@ def run_probes(probes: list[Probe], model_dir: Path, ctx: ProbeContext) -> dict[
     """Run every probe on ``model_dir`` in order and merge their metrics.
 
     A model loaded by one data probe is reused by later probes of the same kind within this call
-    and released at the end (:func:`mergestream.text.model_scope`).
+    and released at the end (:func:`mergestream.datasteps.text.model_scope`).
 
     Returns:
         metric name → float (no NaN).

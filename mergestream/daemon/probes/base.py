@@ -23,7 +23,7 @@ import torch
 
 from ...errors import ProbeError
 from ...io.st import load_json
-from ...text import (
+from ...datasteps.text import (
     POOLINGS,
     TOKENIZER_VOCAB_FILES,
     has_tokenizer,
@@ -207,7 +207,7 @@ def probe_device(ctx: ProbeContext) -> torch.device:
 
 def tokenizer_for(model_dir: Path, ctx: ProbeContext):
     """The tokenizer for ``model_dir``: from the model folder, else ``ctx.tokenizer``, else
-    ``ctx.base`` (the first that has tokenizer files), via :func:`mergestream.text.load_tokenizer`.
+    ``ctx.base`` (the first that has tokenizer files), via :func:`mergestream.datasteps.text.load_tokenizer`.
 
     Raises:
         ProbeError: no tokenizer anywhere, or transformers cannot load it.

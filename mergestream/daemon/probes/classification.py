@@ -2,7 +2,7 @@
 
 Metric ``acc.<task>`` for every :class:`~.base.TaskProbeSpec`: accuracy in percent (0–100) of
 ``argmax(pool(h) @ Wᵀ + b)`` against the labels of the task's JSONL file
-(:func:`mergestream.text.task_accuracy`).
+(:func:`mergestream.datasteps.text.task_accuracy`).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from ...text import load_head, load_model, read_labelled_jsonl, task_accuracy
+from ...datasteps.text import load_head, load_model, read_labelled_jsonl, task_accuracy
 from .base import ProbeContext, ProbeError, positive_int, probe_device, tokenizer_for
 
 log = logging.getLogger(__name__)

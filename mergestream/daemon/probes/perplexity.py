@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ...text import load_model, max_positions
+from ...datasteps.text import load_model, max_positions
 from .base import ProbeContext, ProbeError, data_file, positive_int, probe_device, tokenizer_for
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 Metric ``sts_spearman`` (renamed by ``metric``): 100 × Spearman correlation between the cosine
 similarity of the two sentences' mean-pooled embeddings and the gold scores of a TSV file with
 header ``score<TAB>text<TAB>text2`` (read with :mod:`csv`, standard double-quote quoting), in
-[-100, 100]. The math is :func:`mergestream.text.sts_spearman`.
+[-100, 100]. The math is :func:`mergestream.datasteps.text.sts_spearman`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import logging
 import math
 from pathlib import Path
 
-from ...text import load_model, read_scored_pairs, sts_spearman
+from ...datasteps.text import load_model, read_scored_pairs, sts_spearman
 from .base import ProbeContext, ProbeError, data_file, positive_int, probe_device, tokenizer_for
 
 log = logging.getLogger(__name__)

@@ -40,9 +40,9 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from .errors import MergestreamError, ProbeError
-from .io.st import copy_aux_files, load_json
-from .plugins import resolve_callable
+from ..errors import MergestreamError, ProbeError
+from ..io.st import copy_aux_files, load_json
+from ..plugins import resolve_callable
 from .text import POOLINGS, encode, load_model, load_tokenizer, pool
 
 log = logging.getLogger(__name__)
@@ -342,7 +342,7 @@ class FeatureModel(Protocol):
 
 class HFEncoderFeatures:
     """A Hugging Face encoder (``AutoModel``) with attention-masked mean (or CLS) pooling of the last
-    hidden state, the benchmark's and the probes' form (:func:`mergestream.text.pool`).
+    hidden state, the benchmark's and the probes' form (:func:`mergestream.datasteps.text.pool`).
 
     Args:
         tokenizer: folder holding the tokenizer (the base or the expert).
@@ -517,7 +517,7 @@ def write_trained(model: torch.nn.Module, src: Path, out: Path, metadata: dict[s
     """
     from safetensors.torch import save_file
 
-    from .io.checkpoints import open_checkpoint
+    from ..io.checkpoints import open_checkpoint
 
     sd = {k: v.detach() for k, v in model.state_dict().items()}
     ck = open_checkpoint(src)

@@ -1,7 +1,7 @@
 """Text-encoder toolkit: load, pool, embed, STS Spearman, linear-head accuracy, probe data files.
 
 Shared by the daemon's data probes (:mod:`mergestream.daemon.probes`), its CMA-ES objective, the
-RI pre-step (:mod:`mergestream.ri`) and the experts toolkit (:mod:`mergestream.experts`), so that
+RI pre-step (:mod:`mergestream.datasteps.ri`) and the experts toolkit (:mod:`mergestream.experts`), so that
 what the probes measure is what RI adapts and what the benchmarks report. Nothing here imports the
 daemon; every function that loads or runs a model takes the torch device it runs on.
 
@@ -40,8 +40,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import ProbeError
-from .io.st import load_json
+from ..errors import ProbeError
+from ..io.st import load_json
 
 log = logging.getLogger(__name__)
 

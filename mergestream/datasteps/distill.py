@@ -15,11 +15,11 @@ kept per task. The second term is similarity-preserving distillation (Tung & Mor
 Eq. 2-4) toward θ₀: it keeps the geometry of θ₀'s embedding space, which general-knowledge probes
 (sentence similarity) read, and which the KL term alone erodes. γ = 0 drops it.
 
-Two layers, as in :mod:`mergestream.ri` (whose feature models, auxiliary data and checkpoint
+Two layers, as in :mod:`mergestream.datasteps.ri` (whose feature models, auxiliary data and checkpoint
 writer this module uses):
 
 * :func:`distill` — the optimisation on an in-memory module; no I/O.
-* :func:`distill_backbone` — on a backbone folder: loads it with a :class:`~mergestream.ri.FeatureModel`,
+* :func:`distill_backbone` — on a backbone folder: loads it with a :class:`~mergestream.datasteps.ri.FeatureModel`,
   caches θ₀'s features of the inputs, optimises under a step and a time budget, and writes the
   result with the backbone's tensor names, dtypes, other files and header metadata (plus
   ``mergestream.distill``), staged and renamed.
@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .errors import MergestreamError
+from ..errors import MergestreamError
 from .ri import AuxItem, FeatureModel, Head, HFEncoderFeatures, RIError, base_features, optimiser_step, write_trained
 
 log = logging.getLogger(__name__)
@@ -390,7 +390,7 @@ def distill_backbone(backbone: str | os.PathLike, base: str | os.PathLike, out: 
         within_patch_from: the previous version (same form): only the entries where ``backbone``
             differs from it are trained, so the patch from it to ``out`` touches no entry the
             fold's patch did not (a ``patch_budget``'s bound holds). None: every entry is trained.
-        feature_model: default :class:`~mergestream.ri.HFEncoderFeatures` with the backbone's
+        feature_model: default :class:`~mergestream.datasteps.ri.HFEncoderFeatures` with the backbone's
             tokenizer (the base's when it has none).
         cache_dir: where θ₀'s features of each task's inputs are cached (None: not cached).
 
