@@ -282,3 +282,22 @@ def test_cli_choices_and_starter_config_come_from_the_registry(tmp_path):
     for name in REGISTRY:
         assert f"#   {name}: {', '.join(parameter_names(name))}" in text
     assert load_config(tmp_path / "d" / "config.yaml").policy.name == RECOMMENDED_POLICY
+
+
+def test_no_package_face_shadows_one_of_its_modules():
+    """A package's ``__init__`` that re-exports a function named like one of its modules (the
+    ``distill`` function of ``datasteps/distill.py``) makes ``import mergestream.datasteps.distill as m``
+    give the function: every submodule's name on its package is the module."""
+    import importlib
+    import types
+
+    shadowed = []
+    for name, path in MODULES.items():
+        if path.name == "__init__.py" or name.count(".") < 2:
+            continue
+        parent, _, leaf = name.rpartition(".")
+        importlib.import_module(name)
+        if not isinstance(getattr(importlib.import_module(parent), leaf), types.ModuleType):
+            shadowed.append(name)
+    # the one kept on purpose: `engine.unmerge` is the verb every caller uses (engine/__init__.py)
+    assert shadowed == ["mergestream.engine.unmerge"]

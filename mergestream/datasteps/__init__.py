@@ -13,11 +13,12 @@ only weights.
 Both steps train (≈ 4× the model's float32 size resident), unlike a fold. Dependencies run one
 way: the daemon's pre/post steps and probes, the engine's AdaMerging objective and the experts
 toolkit -> datasteps -> io, errors, plugins; nothing here imports the daemon or the engine.
+The in-memory distil optimisation is ``distill.distill``: the name ``distill`` here is the module.
 """
 
 from __future__ import annotations
 
-from .distill import DistillError, DistillParams, DistillResult, DistillTask, distill, distill_backbone, teacher_outputs
+from .distill import DistillError, DistillParams, DistillResult, DistillTask, distill_backbone, teacher_outputs
 from .ri import (
     FeatureModel,
     HFEncoderFeatures,
@@ -31,5 +32,5 @@ from .ri import (
 )
 
 __all__ = ["DistillError", "DistillParams", "DistillResult", "DistillTask", "FeatureModel", "HFEncoderFeatures",
-           "RIError", "RIParams", "RIResult", "adapt_expert", "distill", "distill_backbone", "load_feature_model",
+           "RIError", "RIParams", "RIResult", "adapt_expert", "distill_backbone", "load_feature_model",
            "read_aux", "resolve_interference", "teacher_outputs"]
