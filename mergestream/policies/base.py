@@ -95,7 +95,6 @@ class TensorFold:
         return self.delta if self.scale == 1.0 else self.delta * self.scale
 
 
-
 def explain_error(err: dict[str, Any], params: type[PolicyParams], also: Sequence[str] = ()) -> str:
     """One pydantic error on ``params`` as a line for a user: ``where: message``; an unknown name
     gets the closest known one and the list, ``also`` (other accepted names, e.g. the wrappers'
