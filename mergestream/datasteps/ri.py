@@ -487,8 +487,10 @@ def base_features(fm: FeatureModel, base: Path, aux: Sequence[AuxItem], *, cache
 # ------------------------------------------------------------------------------------------
 # The file-level pre-step
 # ------------------------------------------------------------------------------------------
-def _match_names(ck_names: list[str], sd: dict[str, torch.Tensor]) -> dict[str, str]:
-    """checkpoint name -> state_dict name (exact, or the same name under one model prefix)."""
+def match_names(ck_names: list[str], sd: dict[str, torch.Tensor]) -> dict[str, str]:
+    """checkpoint name -> state_dict name (exact, or the same name under one model prefix, or the
+    checkpoint's name without its first component); names with no match are left out. Shared by the
+    file-level steps here and the engine's AdaMerging objective (:mod:`mergestream.engine.coefficients`)."""
     out = {}
     for n in ck_names:
         if n in sd:
@@ -523,7 +525,7 @@ def write_trained(model: torch.nn.Module, src: Path, out: Path, metadata: dict[s
     ck = open_checkpoint(src)
     try:
         names = ck.keys()
-        mapping = _match_names(names, sd)
+        mapping = match_names(names, sd)
         header = {**ck.metadata(), **metadata}
         trained = {n for n, p in model.named_parameters() if p.requires_grad}
         if not any(mapping.get(n) in trained for n in names):

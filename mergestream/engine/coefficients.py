@@ -43,7 +43,7 @@ from ..io.writers import AppendWriter
 from ..policies import Policy
 from ..policies.adamerging import adamerging_coefficients, layer_groups, merge_layerwise, prediction_entropy
 from ..policies.lines import block_count
-from ..datasteps.ri import AuxItem, FeatureModel, Head, _match_names
+from ..datasteps.ri import AuxItem, FeatureModel, Head, match_names
 
 log = logging.getLogger("mergestream.engine")
 
@@ -206,7 +206,7 @@ class EntropyObjective:
 
     def __call__(self, params: dict[str, torch.Tensor]) -> torch.Tensor:
         if self._map is None:
-            self._map = _match_names(list(params), self.sd_names)
+            self._map = match_names(list(params), self.sd_names)
             if not self._map:
                 raise CoefficientError(f"none of the candidate's tensors ({list(params)[:3]} ...) is a parameter of "
                                        "the encoder the objective runs")
