@@ -35,6 +35,7 @@ from pydantic_settings import (
 
 from .config_policy import (  # noqa: F401 - re-exported: the sections are read as mergestream.config's
     _CHECK_POLICY,
+    NumbersNotBooleans,
     ObjectiveConfig,
     PolicyConfig,
     RIConfig,
@@ -264,7 +265,7 @@ class ExecutorConfig(_Section):
                                                    "else a local Ray instance)")
 
 
-class Config(BaseSettings):
+class Config(BaseSettings, NumbersNotBooleans):
     """The whole daemon configuration (see ``mergestream init`` for a commented example)."""
 
     model_config = SettingsConfigDict(extra="forbid", frozen=True, env_prefix="MERGESTREAM_",

@@ -14,17 +14,18 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import ConfigDict
 from pydantic import ValidationError as PydanticValidationError
 
+from ..config_policy import NumbersNotBooleans
 from ..errors import PolicyError
 
 Tensor = torch.Tensor
 TensorState = dict[str, Tensor]
 
 
-class PolicyParams(BaseModel):
-    """Base of every policy's parameters: frozen, unknown names are an error."""
+class PolicyParams(NumbersNotBooleans):
+    """Base of every policy's parameters: frozen, unknown names and booleans for numbers are errors."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
