@@ -129,6 +129,8 @@ POLICIES: list[tuple[str, str, dict[str, Any]]] = [
     ("safe_merge", "+iso", {**SAFE_DEFAULTS, "rho": 0.3, "iso_alpha": 2.0}),
     # Iso-C whose folds change at most 20 % of each matrix's entries (the rest carried): small fleet patches
     ("iso_c", "+budget", {"alpha": 1.5, "lambda": 0.2, "patch_budget": 0.2}),
+    # the same at the largest budget whose format-2 patches stay within 0.3 of the model (issue 39's bound)
+    ("iso_c", "+budget29", {"alpha": 1.5, "lambda": 0.2, "patch_budget": 0.29}),
     # Iso-C with task-specific subspaces: the paper's/reference's defaults (alpha 1, 80 % common)
     ("iso_cts", "", {"alpha": 1.0, "common_fraction": 0.8}),
 ]
