@@ -129,11 +129,14 @@ POLICIES: list[tuple[str, str, dict[str, Any]]] = [
     ("safe_merge", "+iso", {**SAFE_DEFAULTS, "rho": 0.3, "iso_alpha": 2.0}),
     # Iso-C whose folds change at most 20 % of each matrix's entries (the rest carried): small fleet patches
     ("iso_c", "+budget", {"alpha": 1.5, "lambda": 0.2, "patch_budget": 0.2}),
-    # the same at the largest budget whose format-2 patches stay within 0.3 of the model (issue 39's bound)
+    # the same at the largest budget whose format-2 patches stay within 0.3 of the model (issue 39's bound);
+    # in STEP_ONLY: run only with a data step (--ri-policies / --distill-policies name it)
     ("iso_c", "+budget29", {"alpha": 1.5, "lambda": 0.2, "patch_budget": 0.29}),
     # Iso-C with task-specific subspaces: the paper's/reference's defaults (alpha 1, 80 % common)
     ("iso_cts", "", {"alpha": 1.0, "common_fraction": 0.8}),
 ]
+#: rows of POLICIES never run plain: only as the +ri / +distill rows --ri-policies and --distill-policies name
+STEP_ONLY = frozenset({"iso_c+budget29"})
 #: the coefficient --tune searches per policy (the last run's tuned values sit inside each grid)
 GRID = {"task_arithmetic": ("lambda", [0.1, 0.15, 0.2, 0.3, 0.5]), "ties": ("lambda", [0.5, 0.7, 1.0, 1.3]),
         "safe_merge": ("lambda", [0.2, 0.3, 0.5, 0.7]), "mdm_oc": ("alpha", [0.1, 0.15, 0.2, 0.3, 0.5]),
@@ -720,9 +723,9 @@ def main(argv: list[str] | None = None) -> int:
         rng_orders.append((s, o))
     shuffle_labels = set(args.shuffle_policies.split(",")) if args.shuffle_policies else None
     curve = {f"safe_merge+steps{n}" for n in curve_steps(args)}  # the steps curve: file order only
-    planned = [[p[0] + p[1], seed] for seed, _ in rng_orders for p in pols
-               if seed is None or ((shuffle_labels is None or p[0] + p[1] in shuffle_labels)
-                                   and p[0] + p[1] not in curve)]
+    planned = [[p[0] + p[1], seed] for seed, _ in rng_orders for p in pols if p[0] + p[1] not in STEP_ONLY
+               and (seed is None or ((shuffle_labels is None or p[0] + p[1] in shuffle_labels)
+                                     and p[0] + p[1] not in curve))]
     for name, seed in (prev or {}).get("planned_runs", []):  # +ri rows the earlier pieces planned
         if [name, seed] not in planned:
             planned.append([name, seed])
