@@ -35,7 +35,6 @@ from pydantic_settings import (
 
 from .config_policy import (  # noqa: F401 - re-exported: the sections are read as mergestream.config's
     _CHECK_POLICY,
-    NumbersNotBooleans,
     ObjectiveConfig,
     PolicyConfig,
     RIConfig,
@@ -45,6 +44,7 @@ from .config_policy import (  # noqa: F401 - re-exported: the sections are read 
 from .errors import MergestreamError
 from .patches.codec import FORMAT_NUMBERS
 from .redaction import redact_uris
+from .settings_base import NumbersNotBooleans
 
 
 class ConfigError(MergestreamError):

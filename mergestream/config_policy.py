@@ -7,14 +7,14 @@ through a deferred import.
 from __future__ import annotations
 
 import contextvars
-import types
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal, Union, get_args, get_origin
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from .errors import PolicyError
 from .recommended import RECOMMENDED_PARAMS, RECOMMENDED_POLICY
+from .settings_base import NumbersNotBooleans
 
 if TYPE_CHECKING:
     from .policies import Policy
@@ -26,39 +26,6 @@ _CHECK_POLICY: contextvars.ContextVar[bool] = contextvars.ContextVar("mergestrea
 def _make_policy(name: str, params: dict[str, Any]) -> Policy:
     from .policies import make_policy  # torch: loaded only when a policy is checked or built
     return make_policy(name, params)
-
-
-def _is_number(annotation: Any) -> bool:
-    """``annotation`` is int or float, or an optional, union, ``Annotated`` or ``Literal`` of numbers."""
-    origin = get_origin(annotation)
-    if origin is Annotated:
-        return _is_number(get_args(annotation)[0])
-    if origin is Literal:
-        return any(type(a) in (int, float) for a in get_args(annotation))
-    if origin in (Union, types.UnionType):
-        return any(_is_number(a) for a in get_args(annotation))
-    return annotation in (int, float)
-
-
-class NumbersNotBooleans(BaseModel):
-    """Base of every settings model (config sections, :class:`~mergestream.config.Config`, policy
-    parameters): a boolean given for a number field is an error.
-
-    Pydantic's lax mode reads ``true`` as 1 and ``false`` as 0, so ``k: true`` would keep TIES's top
-    1 % and ``patch_format: true`` would pick format 1 without a word. Strings from the environment are
-    untouched (``"true"`` is no number either and fails as such).
-
-    Raises:
-        pydantic.ValidationError: located at the field, "expects a number, not a boolean".
-    """
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_boolean_numbers(cls, value: Any, info: ValidationInfo) -> Any:
-        field = cls.model_fields.get(info.field_name or "")
-        if isinstance(value, bool) and field is not None and _is_number(field.annotation):
-            raise ValueError(f"expects a number, not a boolean ({str(value).lower()})")
-        return value
 
 
 class _Section(NumbersNotBooleans):

@@ -121,12 +121,14 @@ def test_dependencies_run_one_way(module):
 
 
 def test_policies_import_nothing_but_their_errors():
-    """... and the torch-free constants of the recommended policy, which the config reads without them."""
+    """... the torch-free constants of the recommended policy, which the config reads without them,
+    and the settings base their parameters share with the config."""
     graph = import_graph()
     for name, edges in graph.items():
         if name.startswith("mergestream.policies"):
             outside = {e for e in edges if not e.startswith("mergestream.policies")}
-            assert outside <= {"mergestream.errors", "mergestream.recommended"}, f"{name} imports {outside}"
+            assert outside <= {"mergestream.errors", "mergestream.recommended", "mergestream.settings_base"}, \
+                f"{name} imports {outside}"
 
 
 def test_only_the_ray_executor_imports_ray():
@@ -159,6 +161,7 @@ TORCH_FREE = sorted(m for m in MODULES if m in {"mergestream", "mergestream.io",
                                                  "mergestream.io.versions", "mergestream.patches",
                                                  "mergestream.patches.codec", "mergestream.patches.build",
                                                  "mergestream.io.model_card", "mergestream.recommended",
+                                                 "mergestream.settings_base",
                                                  # what the ledger verbs (status, history, rollback) load
                                                  "mergestream.config", "mergestream.config_policy",
                                                  "mergestream.daemon.ledger",

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 import mergestream
 from mergestream.config import ConfigError, load_config
-from mergestream.config_policy import NumbersNotBooleans, _is_number
+from mergestream.settings_base import NumbersNotBooleans, is_number
 from mergestream.errors import PolicyError
 from mergestream.policies import REGISTRY, make_policy
 
@@ -36,7 +36,7 @@ def _settings_models() -> list[type[NumbersNotBooleans]]:
 
 
 NUMBER_FIELDS = [(cls, f.alias or name) for cls in _settings_models()
-                 for name, f in cls.model_fields.items() if _is_number(f.annotation)]
+                 for name, f in cls.model_fields.items() if is_number(f.annotation)]
 
 
 def test_the_walk_finds_the_models_it_must_cover():
@@ -90,7 +90,7 @@ def test_the_config_file_refuses_a_boolean_number_naming_it(tmp_path, body, wher
 @pytest.mark.parametrize("name", sorted(REGISTRY))
 def test_every_policy_built_by_name_refuses_a_boolean_number(name):
     cls = REGISTRY[name].Params
-    keys = [f.alias or k for k, f in cls.model_fields.items() if _is_number(f.annotation)]
+    keys = [f.alias or k for k, f in cls.model_fields.items() if is_number(f.annotation)]
     for key in keys + ["patch_budget", "lines_alpha"]:
         with pytest.raises(PolicyError, match=rf"{key}.*not a boolean"):
             make_policy(name, {key: True})

@@ -17,7 +17,7 @@ import torch
 from pydantic import ConfigDict
 from pydantic import ValidationError as PydanticValidationError
 
-from ..config_policy import NumbersNotBooleans
+from ..settings_base import NumbersNotBooleans
 from ..errors import PolicyError
 
 Tensor = torch.Tensor
