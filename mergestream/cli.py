@@ -16,34 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from .errors import MergestreamError, error_line
+from .errors import MergestreamError, fail_cleanly
 from .patches.codec import FORMAT_NUMBERS
 
 if TYPE_CHECKING:  # the engine (torch) loads only when a verb runs
     from .engine import ExecOptions
-
-EXIT_BAD_INPUT = 2
-
-
-def _fail_cleanly(fn):
-    """Turn user-caused errors into one line on stderr and exit status 2: a
-    :class:`MergestreamError`, and every operating-system error (a missing or unwritable path, a
-    full disk, a read-only or lost mount), named by its path and the system's reason
-    (:func:`mergestream.errors.os_error_text`)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except MergestreamError as exc:
-            msg = " ".join(str(exc).split())
-            click.echo(f"error: {type(exc).__name__}: {msg}", err=True)
-            sys.exit(EXIT_BAD_INPUT)
-        except OSError as exc:
-            click.echo(f"error: {error_line(exc)}", err=True)
-            sys.exit(EXIT_BAD_INPUT)
-
-    return wrapper
 
 
 def _parsing_done() -> None:
@@ -143,7 +120,7 @@ def cli(verbose: int) -> None:
               "(black-box: alphas, weights -> loss) or =adamerging (differentiable: see mergestream.engine.coefficients)")
 @click.option("--json", "as_json", is_flag=True, help="print the fold report as JSON")
 @_engine_options
-@_fail_cleanly
+@fail_cleanly
 def fold_cmd(base, backbone, expert, policy, sets, state_dir, out, expert_id, objective, as_json,
              device, threads, quiet, max_shard_bytes, executor, ray_address) -> None:
     """Fold one expert into the backbone with a policy."""
@@ -194,7 +171,7 @@ def _params_from_state(state_dir: str, policy: str, given: dict[str, Any]) -> di
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
 @click.argument("experts", nargs=-1, required=True, type=click.Path())
 @_engine_options
-@_fail_cleanly
+@fail_cleanly
 def merge_cmd(base, policy, sets, out, as_json, experts, device, threads, quiet, max_shard_bytes, executor,
               ray_address) -> None:
     """Merge K experts at once (offline)."""
@@ -217,7 +194,7 @@ def merge_cmd(base, policy, sets, out, as_json, experts, device, threads, quiet,
 @click.option("--base", type=click.Path(), help="override the base recorded in the state")
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
 @_engine_options
-@_fail_cleanly
+@fail_cleanly
 def unmerge_cmd(expert, config_path, state_dir, expert_id, mode, out, backbone, base, as_json, device, threads,
                 quiet, max_shard_bytes, executor, ray_address) -> None:
     """Remove an expert.
@@ -296,7 +273,7 @@ def _operator(config_path: str, verb: str, arg: str | None) -> None:
 @click.option("--base", required=True, type=click.Path(exists=True), help="the pretrained base θ₀")
 @click.option("--policy", default=None, type=POLICY,
               help="merge policy [default: the best measured on the quality benchmark, with its parameters]")
-@_fail_cleanly
+@fail_cleanly
 def init_cmd(folder, base, policy) -> None:
     """Write a commented starter FOLDER/config.yaml (inbox FOLDER/inbox, state FOLDER/state)."""
     from .io.checkpoints import open_checkpoint
@@ -311,7 +288,7 @@ def init_cmd(folder, base, policy) -> None:
 
 @cli.command("run")
 @click.option("--config", "config_path", required=True, type=click.Path(), help="daemon config (YAML)")
-@_fail_cleanly
+@fail_cleanly
 def run_cmd(config_path) -> None:
     """Run the daemon: watch the sources, fold, probe, publish or roll back, serve metrics."""
     from .config import load_config
@@ -326,7 +303,7 @@ def run_cmd(config_path) -> None:
 @cli.command("status")
 @click.option("--config", "config_path", required=True, type=click.Path(), help="daemon config (YAML)")
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
-@_fail_cleanly
+@fail_cleanly
 def status_cmd(config_path, as_json) -> None:
     """Current version, queue, every expert's status, and what the sources report (a registered
     model that does not exist, an inbox polled because inotify ran out, skipped versions)."""
@@ -367,7 +344,7 @@ def status_cmd(config_path, as_json) -> None:
 @cli.command("history")
 @click.option("--config", "config_path", required=True, type=click.Path(), help="daemon config (YAML)")
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
-@_fail_cleanly
+@fail_cleanly
 def history_cmd(config_path, as_json) -> None:
     """Every fold, unmerge and rollback with its decision, reason and probe values."""
     from .config import load_config
@@ -392,7 +369,7 @@ def history_cmd(config_path, as_json) -> None:
 @cli.command("rollback")
 @click.option("--config", "config_path", required=True, type=click.Path(), help="daemon config (YAML)")
 @click.option("--to", "version", required=True, type=int, help="published version to make current")
-@_fail_cleanly
+@fail_cleanly
 def rollback_cmd(config_path, version) -> None:
     """Point `current` at another kept version, earlier or later (experts' status follows it)."""
     _operator(config_path, "rollback", str(version))
@@ -401,7 +378,7 @@ def rollback_cmd(config_path, version) -> None:
 @cli.command("retry")
 @click.argument("expert")
 @click.option("--config", "config_path", required=True, type=click.Path(), help="daemon config (YAML)")
-@_fail_cleanly
+@fail_cleanly
 def retry_cmd(expert, config_path) -> None:
     """Queue a rejected, failed or unmerged expert again (EXPERT: its id or a unique prefix of it)."""
     _operator(config_path, "retry", expert)
@@ -412,7 +389,7 @@ def retry_cmd(expert, config_path) -> None:
 @click.option("--base", type=click.Path(), help="base θ₀: adds task-vector norms and pairwise cosines")
 @click.option("--json", "as_json", is_flag=True, help="print JSON")
 @click.option("--no-hash", is_flag=True, help="headers only: skip the weights hash (it reads every tensor once)")
-@_fail_cleanly
+@fail_cleanly
 def inspect_cmd(paths, base, as_json, no_hash) -> None:
     """Tensor count, dtypes, bytes, the weights hash (sha256, the content hash the ledger, the model
     card, patches and the feed show); with --base, ‖τ‖ and pairwise cosine between experts."""
@@ -451,7 +428,7 @@ def inspect_cmd(paths, base, as_json, no_hash) -> None:
 @click.option("--zstd", "zstd_level", type=click.IntRange(1, 22),
               help="format 2: zstd level of each payload (default: the config's patch_zstd_level)")
 @click.option("--json", "as_json", is_flag=True, help="print the statistics as JSON")
-@_fail_cleanly
+@fail_cleanly
 def patch_cmd(from_version, to_version, config_path, out, patch_format, zstd_level, as_json) -> None:
     """Build a patch from published version A to version B (any two kept versions)."""
     from .config import load_config

@@ -39,6 +39,7 @@ from typing import Any
 import click
 
 from . import experts as X
+from .errors import fail_cleanly
 from .policies import RECOMMENDED_PARAMS, RECOMMENDED_POLICY, policy_names
 
 #: Default task subset: three short-text tasks (plus the harmful expert, built on sst2 with 30 steps).
@@ -529,6 +530,7 @@ def print_summary(res: DemoResult, console=None) -> None:
 @click.option("--no-live", is_flag=True, help="no live view (logs only)")
 @click.option("--sts-pairs", default=DEMO_STS_PAIRS, show_default=True, type=click.IntRange(0),
               help="STS-B pairs the general probe scores per candidate (0: all 1379; slower)")
+@fail_cleanly
 def demo_cmd(policy, sets, tasks, workdir, cache, data, port, no_mlflow, no_live, sts_pairs) -> None:
     """Run the daemon on real experts (MiniLM fine-tuned on real tasks) plus one harmful expert."""
     from .policies import make_policy

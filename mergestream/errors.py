@@ -6,9 +6,14 @@ it into a one-line message and a non-zero exit code, and the daemon records it a
 
 from __future__ import annotations
 
+import functools
 import os
+import sys
 
 from .redaction import redact_uris
+
+#: the exit status of a command refused for its input (:func:`fail_cleanly`)
+EXIT_BAD_INPUT = 2
 
 
 class MergestreamError(Exception):
@@ -139,3 +144,31 @@ def error_line(exc: BaseException) -> str:
     if isinstance(exc, OSError):
         return f"{type(exc).__name__}: {os_error_text(exc)}"
     return " ".join(str(exc).split())
+
+
+def fail_cleanly(fn):
+    """Decorate a command's function so that what the user caused ends it with one line on stderr,
+    ``error: <Type>: <text>``, and exit status :data:`EXIT_BAD_INPUT`: a :class:`MergestreamError`
+    or a malformed file's :class:`mergestream.io.st.FormatError` (its text on one line), and every operating-system error (a missing or unwritable path, a full
+    disk, a read-only or lost mount), named by its path and the system's reason
+    (:func:`os_error_text`). Anything else is a bug and keeps its traceback. Every verb of the
+    ``mergestream`` command carries it; the wrapper is marked ``fails_cleanly`` for the test that
+    checks so."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            from .io.st import FormatError  # stdlib only; a patch's or a safetensors header's error
+
+            if not isinstance(exc, (MergestreamError, OSError, FormatError)):
+                raise
+            import click
+
+            text = error_line(exc) if isinstance(exc, OSError) else f"{type(exc).__name__}: {error_line(exc)}"
+            click.echo(f"error: {text}", err=True)
+            sys.exit(EXIT_BAD_INPUT)
+
+    wrapper.fails_cleanly = True  # type: ignore[attr-defined]
+    return wrapper

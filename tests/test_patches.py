@@ -383,7 +383,7 @@ def test_cli_refuses_a_patch_for_another_source_with_one_line(tmp_path, patched)
     proc = run_patch_cli("apply-patch", v2, p, "--out", tmp_path / "out", no_torch=True)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: patch is for source sha256"), proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: FormatError: patch is for source sha256"), proc.stderr
     assert nothing_left(tmp_path / "out")
 
 

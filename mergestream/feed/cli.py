@@ -1,26 +1,20 @@
 """``mergestream feed``: keys, signed feed builds and key rotation (the operator's side).
 
 Registered in the main ``mergestream`` group by ``cli.py``. Errors the operator can cause exit with
-status 2 and one line ``error: ...``; key material and passphrases are never printed.
+status 2 and one line ``error: <Type>: ...`` (:func:`mergestream.errors.fail_cleanly`); key material
+and passphrases are never printed.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from datetime import timedelta
 
 import click
 
-from ..errors import MergestreamError, error_line
+from ..errors import MergestreamError, fail_cleanly
 from ..patches.codec import FORMAT_NUMBERS
 from .layout import parse_duration
-
-
-def _fail(exc: Exception) -> None:
-    """One line on stderr (an OSError: its path and reason), exit status 2."""
-    click.echo(f"error: {error_line(exc) if isinstance(exc, OSError) else ' '.join(str(exc).split())}", err=True)
-    sys.exit(2)
 
 
 def _need_tuf() -> None:
@@ -29,8 +23,8 @@ def _need_tuf() -> None:
         import securesystemslib.signer  # noqa: F401
         import tuf.api.metadata  # noqa: F401
     except ImportError as exc:
-        _fail(MergestreamError(f"the feed needs python-tuf ({exc.name} is missing): "
-                               "pip install -e '.[feed]' from the checkout"))
+        raise MergestreamError(f"the feed needs python-tuf ({exc.name} is missing): "
+                               "pip install -e '.[feed]' from the checkout") from None
 
 
 @click.group("feed")
@@ -41,6 +35,7 @@ def feed() -> None:
 @feed.command("keygen")
 @click.option("--keys", "keys_dir", required=True, type=click.Path(file_okay=False),
               help="folder for the key files (created, mode 0700)")
+@fail_cleanly
 def keygen_cmd(keys_dir: str) -> None:
     """Create Ed25519 keys for the root, targets, snapshot and timestamp roles.
 
@@ -49,10 +44,7 @@ def keygen_cmd(keys_dir: str) -> None:
     _need_tuf()
     from .keys import generate
 
-    try:
-        ids = generate(keys_dir)
-    except (MergestreamError, OSError) as exc:
-        _fail(exc)
+    ids = generate(keys_dir)
     for role, keyid in ids.items():
         click.echo(f"{role}: keyid {keyid}")
 
@@ -73,26 +65,27 @@ def keygen_cmd(keys_dir: str) -> None:
               help="2: re-encode the patches with bitmasks (smaller for sparse folds)")
 @click.option("--zstd", "zstd_level", type=click.IntRange(1, 22), help="format 2: zstd level for each payload")
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
+@fail_cleanly
 def build_cmd(config_path, state_dir, out, keys_dir, latest, keep, timestamp_expires, snapshot_expires,
               targets_expires, root_expires, patch_format, zstd_level, as_json) -> None:
     """Publish the next signed release of the feed from the daemon's versions."""
     _need_tuf()
     from .build import build_feed
 
-    try:
-        if bool(config_path) == bool(state_dir):
-            raise MergestreamError("give exactly one of --config and --state-dir")
-        if config_path:
-            from ..config import load_config
+    if bool(config_path) == bool(state_dir):
+        raise MergestreamError("give exactly one of --config and --state-dir")
+    if config_path:
+        from ..config import load_config
 
-            state_dir = load_config(config_path).state_dir
+        state_dir = load_config(config_path).state_dir
+    try:
         expires = {r: timedelta(seconds=parse_duration(v)) for r, v in
                    (("timestamp", timestamp_expires), ("snapshot", snapshot_expires),
                     ("targets", targets_expires), ("root", root_expires))}
         rep = build_feed(state_dir, out, keys_dir, latest=latest, keep=keep, expires=expires,
                          patch_format=int(patch_format), zstd_level=zstd_level)
-    except (MergestreamError, ValueError, OSError) as exc:
-        _fail(exc)
+    except ValueError as exc:  # a malformed duration, or a feed file that does not parse
+        raise MergestreamError(" ".join(str(exc).split())) from None
     if as_json:
         click.echo(json.dumps(rep, indent=2))
         return
@@ -108,14 +101,12 @@ def build_cmd(config_path, state_dir, out, keys_dir, latest, keep, timestamp_exp
 @feed.command("rotate-key")
 @click.option("--keys", "keys_dir", required=True, type=click.Path(file_okay=False))
 @click.option("--role", required=True, type=click.Choice(["root", "targets", "snapshot", "timestamp"]))
+@fail_cleanly
 def rotate_cmd(keys_dir: str, role: str) -> None:
     """Replace one role's key; the next `feed build` publishes a new root listing it (signed by the
     old root key too when ROLE is root)."""
     _need_tuf()
     from .keys import rotate_key
 
-    try:
-        old, new = rotate_key(keys_dir, role)
-    except (MergestreamError, OSError) as exc:
-        _fail(exc)
+    old, new = rotate_key(keys_dir, role)
     click.echo(f"{role}: keyid {old[:12]} -> {new[:12]}; run `mergestream feed build` to publish the new root")

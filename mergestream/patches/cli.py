@@ -6,29 +6,19 @@ Both are plain :func:`click.command` objects, registered in the main ``mergestre
 ``python -m mergestream.patches.cli apply-patch ...``.
 
 Errors the user can cause (a refused patch, an unreadable model, an existing output) exit with
-status 2 and one line ``error: ...`` on stderr; nothing is written.
+status 2 and one line ``error: <Type>: ...`` on stderr (:func:`mergestream.errors.fail_cleanly`);
+nothing is written.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
-from typing import NoReturn
 
 import click
 
+from ..errors import fail_cleanly
 from .codec import FORMAT_NUMBERS
-
-EXIT_BAD_INPUT = 2
-
-
-def _fail(exc: Exception) -> NoReturn:
-    """One line on stderr (an OSError: its path and reason), exit status 2."""
-    from ..errors import error_line
-
-    click.echo(f"error: {error_line(exc) if isinstance(exc, OSError) else ' '.join(str(exc).split())}", err=True)
-    sys.exit(EXIT_BAD_INPUT)
 
 
 def _report(doc: dict, as_json: bool, line: str) -> None:
@@ -41,18 +31,16 @@ def _report(doc: dict, as_json: bool, line: str) -> None:
 @click.argument("patch", type=click.Path())
 @click.option("--out", required=True, type=click.Path(), help="output model folder (must not exist)")
 @click.option("--json", "as_json", is_flag=True, help="print the report as JSON")
+@fail_cleanly
 def apply_patch_cmd(model_dir: str, patch: str, out: str, as_json: bool) -> None:
     """Apply PATCH to the model in MODEL_DIR and write the target version to --out.
 
     The patch's integrity and the model's weights hash are verified before anything is written,
     and the result's hash after; the output is staged and renamed into place.
     """
-    from . import PatchError, apply_patch
+    from . import apply_patch
 
-    try:
-        rep = apply_patch(model_dir, patch, out)
-    except (PatchError, OSError) as exc:
-        _fail(exc)
+    rep = apply_patch(model_dir, patch, out)
     _report(rep, as_json, f"{rep['source_version'] or '?'} -> {rep['target_version'] or '?'}: {rep['out']} "
             f"({rep['tensors']} tensors: {rep['tensors_copied']} unchanged, {rep['tensors_sparse']} sparse, "
             f"{rep['tensors_dense']} dense, {rep['tensors_removed']} removed; sha256 {rep['target_sha256']})")
@@ -69,6 +57,7 @@ def apply_patch_cmd(model_dir: str, patch: str, out: str, as_json: bool) -> None
               help="1: index lists (every apply-patch reads it); 2: bitmasks for denser changes (smaller)")
 @click.option("--zstd", "zstd_level", type=click.IntRange(1, 22), help="format 2: zstd level of each payload")
 @click.option("--json", "as_json", is_flag=True, help="print the statistics as JSON")
+@fail_cleanly
 def make_patch_cmd(from_dir: str, to_dir: str, out: str, source_version: str | None, target_version: str | None,
                    policy: str, patch_format: str, zstd_level: int | None, as_json: bool) -> None:
     """Build the exact patch "--from-dir -> --to-dir" between two model folders.
@@ -76,16 +65,12 @@ def make_patch_cmd(from_dir: str, to_dir: str, out: str, source_version: str | N
     Format 2 (``--format 2``, optionally ``--zstd LEVEL``) needs a mergestream that reads patch
     format 2 on the applying side; format 1 is read by every version.
     """
-    from ..errors import MergestreamError
     from .build import build_patch
 
-    try:
-        stats = build_patch(from_dir, to_dir, out,
-                            source_version=source_version if source_version is not None else Path(from_dir).name,
-                            target_version=target_version if target_version is not None else Path(to_dir).name,
-                            policy=policy, patch_format=int(patch_format), zstd_level=zstd_level)
-    except (MergestreamError, OSError) as exc:
-        _fail(exc)
+    stats = build_patch(from_dir, to_dir, out,
+                        source_version=source_version if source_version is not None else Path(from_dir).name,
+                        target_version=target_version if target_version is not None else Path(to_dir).name,
+                        policy=policy, patch_format=int(patch_format), zstd_level=zstd_level)
     _report(stats, as_json, f"{stats['path']}: {stats['patch_bytes']:,} bytes, {stats['ratio']:.2%} of the model "
             f"({stats['model_bytes']:,} bytes); {stats['tensors_changed']} of {stats['tensors']} tensors changed "
             f"({stats['tensors_sparse']} sparse, {stats['tensors_dense']} dense), {stats['tensors_removed']} removed")
