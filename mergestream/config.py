@@ -44,7 +44,7 @@ from .config_policy import (  # noqa: F401 - re-exported: the sections are read 
 from .errors import MergestreamError
 from .patches.codec import FORMAT_NUMBERS
 from .redaction import redact_uris
-from .settings_base import NumbersNotBooleans
+from .settings_base import NumbersNotBooleans, unknown_key_hint
 
 
 class ConfigError(MergestreamError):
@@ -445,6 +445,32 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
     return text
 
 
+def _explain(err: dict[str, Any]) -> str:
+    """One validation error of :class:`Config` as ``where: message``: an unknown key gets the closest
+    known one (:func:`~mergestream.settings_base.unknown_key_hint`), and a value that came from the
+    environment names its variable (never its value: it may be a secret)."""
+    loc = tuple(err["loc"])
+    msg = unknown_key_hint(Config, loc) if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
+    env = env_variable_of(loc)
+    return f"{'.'.join(map(str, loc))}: {msg}" + (f" (from the environment variable {env})" if env else "")
+
+
+def env_variable_of(loc: tuple[Any, ...]) -> str | None:
+    """The ``MERGESTREAM_…`` variable that set the value at ``loc``, if one is set: the field's own
+    (``MERGESTREAM_MLFLOW__TRACKING_URI``) or a whole section's (``MERGESTREAM_MLFLOW``, JSON).
+    Environment variables win over the file (:meth:`Config.settings_customise_sources`)."""
+    names = {k.upper() for k in os.environ}
+    path: list[str] = []
+    for part in loc:
+        if not isinstance(part, str):
+            break
+        path.append(part.upper())
+        name = "MERGESTREAM_" + "__".join(path)
+        if name in names:
+            return name
+    return None
+
+
 def load_config(path: str | os.PathLike, *, check_policy: bool = True) -> Config:
     """Read and validate a YAML config; environment overrides win. Relative paths (written,
     defaulted or from the environment) are resolved against the folder of ``path``. No message
@@ -484,9 +510,7 @@ def load_config(path: str | os.PathLike, *, check_policy: bool = True) -> Config
     try:
         cfg = Config(**data)
     except ValidationError as exc:
-        errs = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}"
-                         for e in exc.errors())
-        raise ConfigError(f"{p}: {errs}") from None
+        raise ConfigError(f"{p}: " + "; ".join(_explain(e) for e in exc.errors())) from None
     finally:
         _CHECK_POLICY.reset(token)
     return _resolve(cfg, p.resolve().parent)

@@ -6,6 +6,7 @@ both sides can build on it.
 
 from __future__ import annotations
 
+import difflib
 import types
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
@@ -22,6 +23,42 @@ def is_number(annotation: Any) -> bool:
     if origin in (Union, types.UnionType):
         return any(is_number(a) for a in get_args(annotation))
     return annotation in (int, float)
+
+
+def model_at(root: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The settings model that holds the last name of an error location ``loc`` under ``root``
+    (list indices and optional/union wrappers are looked through); None where no single model does
+    (a plain mapping, a union of several models)."""
+    model: type[BaseModel] = root
+    for part in loc[:-1]:
+        if not isinstance(part, str):
+            continue  # a list index: the list's item model is already in hand
+        field = model.model_fields.get(part)
+        if field is None:
+            return None
+        found = _models_in(field.annotation)
+        if len(found) != 1:
+            return None
+        model = found[0]
+    return model
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The settings models an annotation names (through ``list``, optional, union, ``Annotated``)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for a in get_args(annotation) for m in _models_in(a)]
+
+
+def unknown_key_hint(root: type[BaseModel], loc: tuple[Any, ...]) -> str:
+    """What to say of a key at ``loc`` that ``root`` does not know: ``unknown key (did you mean
+    'retention'?)``, or the keys that level takes when none is close."""
+    model = model_at(root, loc)
+    if model is None:
+        return "unknown key"
+    known = [f.alias or n for n, f in model.model_fields.items()]
+    close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+    return f"unknown key (did you mean {close[0]!r}?)" if close else f"unknown key (known here: {', '.join(known)})"
 
 
 class NumbersNotBooleans(BaseModel):
