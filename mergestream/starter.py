@@ -130,7 +130,7 @@ gate:
 
 def _policy_lines() -> str:
     """The starter's comment listing every registered policy with its parameter names."""
-    return "".join(f"#   {name}: {', '.join(parameter_names(name))}\n" for name in policy_names())
+    return "".join(f"#   {name}: {', '.join(parameter_names(name)) or '(no parameters)'}\n" for name in policy_names())
 
 
 def write_starter(folder: str | os.PathLike, base: str, policy: str | None = None) -> Path:

@@ -283,7 +283,7 @@ def test_cli_choices_and_starter_config_come_from_the_registry(tmp_path):
     base.write_bytes(b"")
     text = write_starter(tmp_path / "d", str(base)).read_text()
     for name in REGISTRY:
-        assert f"#   {name}: {', '.join(parameter_names(name))}" in text
+        assert f"#   {name}: {', '.join(parameter_names(name)) or '(no parameters)'}\n" in text
     assert load_config(tmp_path / "d" / "config.yaml").policy.name == RECOMMENDED_POLICY
 
 
