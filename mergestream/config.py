@@ -14,6 +14,7 @@ as written. A :class:`Config` built in code (not by :func:`load_config`) resolve
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -456,19 +457,37 @@ def _explain(err: dict[str, Any]) -> str:
 
 
 def env_variable_of(loc: tuple[Any, ...]) -> str | None:
-    """The ``MERGESTREAM_…`` variable that set the value at ``loc``, if one is set: the field's own
-    (``MERGESTREAM_MLFLOW__TRACKING_URI``) or a whole section's (``MERGESTREAM_MLFLOW``, JSON).
+    """The ``MERGESTREAM_…`` variable that set the value at ``loc``, if one did: the field's own
+    (``MERGESTREAM_MLFLOW__TRACKING_URI``), or a whole section's (``MERGESTREAM_MLFLOW``, a JSON
+    object) when that object holds the field (pydantic-settings merges it with the file's keys).
     Environment variables win over the file (:meth:`Config.settings_customise_sources`)."""
-    names = {k.upper() for k in os.environ}
-    path: list[str] = []
-    for part in loc:
-        if not isinstance(part, str):
-            break
-        path.append(part.upper())
-        name = "MERGESTREAM_" + "__".join(path)
-        if name in names:
+    env = {k.upper(): v for k, v in os.environ.items()}
+    names = [str(part) for part in loc]
+    for i in range(len(names), 0, -1):
+        if not all(isinstance(part, str) for part in loc[:i]):
+            continue
+        name = "MERGESTREAM_" + "__".join(n.upper() for n in names[:i])
+        if name not in env:
+            continue
+        if i == len(names) or _holds(env[name], loc[i:]):
             return name
     return None
+
+
+def _holds(text: str, rest: tuple[Any, ...]) -> bool:
+    """A JSON document ``text`` has a value at the path ``rest`` (keys and list indices)."""
+    try:
+        node: Any = json.loads(text)
+    except ValueError:
+        return False
+    for part in rest:
+        if isinstance(node, dict) and isinstance(part, str) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node = node[part]
+        else:
+            return False
+    return True
 
 
 def load_config(path: str | os.PathLike, *, check_policy: bool = True) -> Config:

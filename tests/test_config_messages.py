@@ -92,3 +92,13 @@ def test_a_bad_value_from_the_environment_names_its_variable_not_its_value(varia
 def test_a_bad_value_in_the_file_does_not_blame_the_environment(tmp_path):
     msg = refused(tmp_path, "retention: many\n")
     assert "retention: " in msg and "environment" not in msg, msg
+
+
+def test_a_section_set_as_json_is_named_only_for_the_keys_it_holds(tmp_path, monkeypatch):
+    """``MERGESTREAM_WATCH`` (a JSON object) is merged with the file's ``watch:`` keys: an error in a
+    key it holds names it; an error in a key only the file gives does not."""
+    monkeypatch.setenv("MERGESTREAM_WATCH", '{"settle_seconds": "soon"}')
+    msg = refused(tmp_path, "watch:\n  poll_interval: often\n")
+    assert "watch.settle_seconds: " in msg and "(from the environment variable MERGESTREAM_WATCH)" in msg, msg
+    poll = next(part for part in msg.split("; ") if "watch.poll_interval" in part)
+    assert "environment" not in poll, msg
