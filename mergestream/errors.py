@@ -149,11 +149,11 @@ def error_line(exc: BaseException) -> str:
 def fail_cleanly(fn):
     """Decorate a command's function so that what the user caused ends it with one line on stderr,
     ``error: <Type>: <text>``, and exit status :data:`EXIT_BAD_INPUT`: a :class:`MergestreamError`
-    or a malformed file's :class:`mergestream.io.st.FormatError` (its text on one line), and every operating-system error (a missing or unwritable path, a full
-    disk, a read-only or lost mount), named by its path and the system's reason
-    (:func:`os_error_text`). Anything else is a bug and keeps its traceback. Every verb of the
-    ``mergestream`` command carries it; the wrapper is marked ``fails_cleanly`` for the test that
-    checks so."""
+    or a malformed file's :class:`mergestream.io.st.FormatError` (its text on one line), and every
+    operating-system error (a missing or unwritable path, a full disk, a read-only or lost mount),
+    named by its path and the system's reason (:func:`os_error_text`). Anything else is a bug and
+    keeps its traceback. Every verb of the ``mergestream`` command carries it; the wrapper is marked
+    ``fails_cleanly`` for the test that checks so."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
