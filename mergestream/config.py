@@ -14,6 +14,7 @@ as written. A :class:`Config` built in code (not by :func:`load_config`) resolve
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -462,14 +463,10 @@ def env_variable_of(loc: tuple[Any, ...]) -> str | None:
     object) when that object holds the field (pydantic-settings merges it with the file's keys).
     Environment variables win over the file (:meth:`Config.settings_customise_sources`)."""
     env = {k.upper(): v for k, v in os.environ.items()}
-    names = [str(part) for part in loc]
-    for i in range(len(names), 0, -1):
-        if not all(isinstance(part, str) for part in loc[:i]):
-            continue
-        name = "MERGESTREAM_" + "__".join(n.upper() for n in names[:i])
-        if name not in env:
-            continue
-        if i == len(names) or _holds(env[name], loc[i:]):
+    keys = list(itertools.takewhile(lambda part: isinstance(part, str), loc))  # a variable names keys only
+    for i in range(len(keys), 0, -1):  # the field's own variable first, then its sections'
+        name = "MERGESTREAM_" + "__".join(k.upper() for k in keys[:i])
+        if name in env and (i == len(loc) or _holds(env[name], loc[i:])):
             return name
     return None
 

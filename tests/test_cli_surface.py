@@ -60,7 +60,7 @@ def _command(verb: tuple[str, ...]) -> click.Command:
 
 @pytest.mark.parametrize("verb", [v for v in _verbs(cli) if not isinstance(_command(v), click.Group)], ids=" ".join)
 def test_every_verb_turns_bad_input_into_one_line(verb):
-    """Every verb's function is wrapped by :func:`mergestream.cli.fail_cleanly` (one line on stderr,
+    """Every verb's function is wrapped by :func:`mergestream.errors.fail_cleanly` (one line on stderr,
     exit status 2 for a MergestreamError or an OSError); ``demo`` forwards to its own command."""
     if verb == ("demo",):
         from mergestream.demo import demo_cmd
