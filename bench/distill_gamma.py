@@ -10,6 +10,13 @@ and on the benchmark's test rows (for the record only).
     .venv/bin/python bench/distill_gamma.py --gammas 0.1,0.3,1.0 --steps 100 --aux 128 \
         --json bench/results/distill_gamma.json
     .venv/bin/python bench/distill_gamma.py --gammas 0.3 --anchors 0,1024 --json ...
+    .venv/bin/python bench/distill_gamma.py --gammas 0.3 --anchors 1024 --lrs 1e-5,3e-5 \
+        --patch-budget 0.29 --json ...
+
+``--patch-budget ρ`` stands in for a budgeted row (``iso_c+budget29``): the one-shot merge keeps
+only the top ρ of each matrix's change from θ₀ (by |change|, as :mod:`mergestream.policies.budget`
+picks at a fold) and the distil step trains only those entries (``within_patch_from`` = θ₀), as
+the daemon does under a patch budget.
 
 ``bench/results/distill_anchors.json`` holds the runs that chose 1024 anchors at γ 0.3 with 128
 inputs per task (each run's command is in it).
@@ -45,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--aux", type=int, default=128, help="unlabeled train inputs per task")
     ap.add_argument("--anchors", default="0",
                     help="comma list of how many general anchor sentences (STS-B *train*) join the similarity term")
+    ap.add_argument("--lrs", default=str(DistillParams().lr), help="comma list of distil AdamW learning rates")
+    ap.add_argument("--patch-budget", type=float, default=None,
+                    help="keep the top ρ of each matrix's change from θ₀ and train only those entries")
     ap.add_argument("--quality-json", default=str(RESULTS / "quality.json"),
                     help="the benchmark whose experts, data and Iso-C tuning are used")
     ap.add_argument("--threads", type=int, default=2)
@@ -64,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="ms-distil-gamma-"))
     merged = Q.fold_stream(tasks, experts, "iso_c", iso, test, work, full_steps=False, log=lambda m: None,
                            keep_final=True, threads=args.threads)["backbone"]
+    if args.patch_budget is not None:
+        merged = budgeted(merged, X.base_model_path(), args.patch_budget, work / "budgeted")
     fm = HFEncoderFeatures(X.base_model_path(), max_length=DistillParams().max_length)
     dtasks = []
     for t in tasks:
@@ -79,33 +91,65 @@ def main(argv: list[str] | None = None) -> int:
         return out
 
     general = Q.sts_train_sentences(data)
-    rows = [{"gamma": None, "anchors": 0, **measure(merged)}]
+    rows = [{"gamma": None, "anchors": 0, "lr": None, **measure(merged)}]
+    within = X.base_model_path() if args.patch_budget is not None else None
     for n_anchor in [int(a) for a in args.anchors.split(",") if a]:
         for gamma in [float(g) for g in args.gammas.split(",") if g]:
-            t0 = time.perf_counter()
-            out, res = distill_backbone(merged, X.base_model_path(), work / f"g{gamma}-a{n_anchor}", tasks=dtasks,
-                                        params=DistillParams(steps=args.steps, gamma=gamma),
-                                        anchors=X.subsample(general, n_anchor, seed=7) if n_anchor else (),
-                                        feature_model=fm, cache_dir=work / "cache")
-            rows.append({"gamma": gamma, "anchors": n_anchor, "seconds": time.perf_counter() - t0,
-                         "kl_before": res.kl_before, "kl_after": res.kl_after, **measure(out)})
-            print(json.dumps(rows[-1]), flush=True)
+            for lr in [float(v) for v in args.lrs.split(",") if v]:
+                t0 = time.perf_counter()
+                out, res = distill_backbone(merged, X.base_model_path(), work / f"g{gamma}-a{n_anchor}-lr{lr}",
+                                            tasks=dtasks, params=DistillParams(steps=args.steps, gamma=gamma, lr=lr),
+                                            anchors=X.subsample(general, n_anchor, seed=7) if n_anchor else (),
+                                            within_patch_from=within, feature_model=fm, cache_dir=work / "cache")
+                rows.append({"gamma": gamma, "anchors": n_anchor, "lr": lr, "seconds": time.perf_counter() - t0,
+                             "kl_before": res.kl_before, "kl_after": res.kl_after, **measure(out)})
+                print(json.dumps(rows[-1]), flush=True)
     best = max(rows[1:], key=lambda r: r["validation"]["H"]) if len(rows) > 1 else None
-    print(f"Iso-C {iso} of {len(tasks)} experts, distil {args.steps} steps, {args.aux} inputs per task")
-    print("| gamma | anchors | val ACC | val G (dev) | val H | test ACC | test G | test H |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print(f"Iso-C {iso} of {len(tasks)} experts, distil {args.steps} steps, {args.aux} inputs per task"
+          + (f", patch budget {args.patch_budget}" if args.patch_budget is not None else ""))
+    print("| gamma | anchors | lr | val ACC | val G (dev) | val H | test ACC | test G | test H |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         v, t = r["validation"], r["test"]
-        print(f"| {'none' if r['gamma'] is None else r['gamma']} | {r['anchors']} | {v['ACC']:.2f} | {v['G']:.2f} | {v['H']:.2f} | "
-              f"{t['ACC']:.2f} | {t['G']:.2f} | {t['H']:.2f} |")
+        print(f"| {'none' if r['gamma'] is None else r['gamma']} | {r['anchors']} | {r['lr'] or '-'} | {v['ACC']:.2f} | "
+              f"{v['G']:.2f} | {v['H']:.2f} | {t['ACC']:.2f} | {t['G']:.2f} | {t['H']:.2f} |")
     if best is not None:
-        print(f"chosen on validation: gamma {best['gamma']}, anchors {best['anchors']}")
+        print(f"chosen on validation: gamma {best['gamma']}, anchors {best['anchors']}, lr {best['lr']}")
     if args.json:
         Path(args.json).write_text(json.dumps({"command": " ".join(["bench/distill_gamma.py", *(argv or sys.argv[1:])]),
                                                "iso_c": iso, "steps": args.steps, "aux": args.aux, "rows": rows,
                                                "chosen": best["gamma"] if best else None,
-                                               "chosen_anchors": best["anchors"] if best else None}, indent=1) + "\n")
+                                               "chosen_anchors": best["anchors"] if best else None,
+                                               "chosen_lr": best["lr"] if best else None,
+                                               "patch_budget": args.patch_budget}, indent=1) + "\n")
     return 0
+
+
+def budgeted(merged: Path, base: Path, rho: float, out: Path) -> Path:
+    """``merged`` with each matrix's change from θ₀ cut to its top ⌈ρ·n⌉ entries by |change| (the
+    rest back at θ₀; 1-D tensors kept whole, as the budget wrapper does), written to ``out``."""
+    import math
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from mergestream.policies.masks import top_mask
+
+    shutil.copytree(merged, out)
+    theta0 = load_file(str(base / "model.safetensors"))
+    tensors = load_file(str(out / "model.safetensors"))
+    kept = 0.0
+    for name, t in tensors.items():
+        b = theta0.get(name, theta0.get(name.split(".", 1)[-1]))
+        if t.ndim < 2 or b is None or b.shape != t.shape:
+            continue
+        d = t.float() - b.float()
+        keep = top_mask(d.abs(), min(d.numel(), math.ceil(rho * d.numel())))
+        tensors[name] = torch.where(keep, t.float(), b.float()).to(t.dtype)
+        kept += 1
+    save_file(tensors, str(out / "model.safetensors"))
+    print(f"patch budget {rho}: {int(kept)} matrices cut to their top {rho:.0%} changed entries", flush=True)
+    return out
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -84,6 +85,7 @@ from quality_setup import (  # noqa: E402
     parse_recipe,
     parse_sets,
     protocol_args,
+    distill_row_label,
     stale_distill_runs,
     stale_grid,
     validation_rows,
@@ -132,11 +134,18 @@ POLICIES: list[tuple[str, str, dict[str, Any]]] = [
     # the same at the largest budget whose format-2 patches stay within 0.3 of the model (issue 39's bound);
     # in STEP_ONLY: run only with a data step (--ri-policies / --distill-policies name it)
     ("iso_c", "+budget29", {"alpha": 1.5, "lambda": 0.2, "patch_budget": 0.29}),
+    # the same with the distil step's learning rate chosen for a budgeted merge (ROW_DISTILL): 3e-5 of
+    # 1e-5, 3e-5, 1e-4 on validation (bench/results/distill_lr_budget29.json); unbudgeted, 1e-5 stays best
+    ("iso_c", "+budget29lr3e-5", {"alpha": 1.5, "lambda": 0.2, "patch_budget": 0.29}),
     # Iso-C with task-specific subspaces: the paper's/reference's defaults (alpha 1, 80 % common)
     ("iso_cts", "", {"alpha": 1.0, "common_fraction": 0.8}),
 ]
 #: rows of POLICIES never run plain: only as the +ri / +distill rows --ri-policies and --distill-policies name
-STEP_ONLY = frozenset({"iso_c+budget29"})
+STEP_ONLY = frozenset({"iso_c+budget29", "iso_c+budget29lr3e-5"})
+#: distil options a row's +distill runs use instead of the command's (--distill-lr, ...), by row label
+#: (policy + variant before "+ri"/"+distill"); each value chosen on validation (bench/distill_gamma.py)
+ROW_DISTILL: dict[str, dict[str, Any]] = {"iso_c+budget29lr3e-5": {"distill_lr": 3e-5}}
+assert all(set(o) <= {"distill_steps", "distill_lr", "distill_gamma"} for o in ROW_DISTILL.values())
 #: the coefficient --tune searches per policy (the last run's tuned values sit inside each grid)
 GRID = {"task_arithmetic": ("lambda", [0.1, 0.15, 0.2, 0.3, 0.5]), "ties": ("lambda", [0.5, 0.7, 1.0, 1.3]),
         "safe_merge": ("lambda", [0.2, 0.3, 0.5, 0.7]), "mdm_oc": ("alpha", [0.1, 0.15, 0.2, 0.3, 0.5]),
@@ -648,7 +657,7 @@ def main(argv: list[str] | None = None) -> int:
     ri_wanted = [p for p in args.ri_policies.split(",") if p]
     distill_wanted = [p for p in args.distill_policies.split(",") if p]
     runs: list[dict[str, Any]] = list(prev["runs"]) if prev is not None else []
-    stale = stale_distill_runs(runs, args)
+    stale = stale_distill_runs(runs, args, ROW_DISTILL)
     if stale:
         log(f"re-running {len(stale)} +distill run(s) of an earlier piece: they ran with other distil options")
         runs = [r for r in runs if not any(r is s_ for s_ in stale)]
@@ -754,7 +763,8 @@ def main(argv: list[str] | None = None) -> int:
     d_tasks: dict[str, DistillTask] = {}
     d_fm = HFEncoderFeatures(X.base_model_path(), max_length=dparams.max_length)
 
-    def distil(seen: tuple[str, ...], out_dir: Path, prev: Path | None, *, budgeted: bool) -> float:
+    def distil(seen: tuple[str, ...], out_dir: Path, prev: Path | None, *, budgeted: bool,
+               params: DistillParams) -> float:
         """The distil post-step on a fold's output, in place: every seen task's head toward its
         (original) expert's outputs on --distill-aux unlabeled train inputs; in a ``budgeted`` row
         only the entries the fold changed from ``prev`` are trained, as the daemon does under a
@@ -765,7 +775,7 @@ def main(argv: list[str] | None = None) -> int:
                 inputs = [(r[0], r[1]) for r in X.subsample(tdata[s_].train, args.distill_aux, seed=5)]
                 d_tasks[s_] = DistillTask(s_, heads[s_], inputs, teacher_outputs(d_fm, experts[s_], heads[s_], inputs))
         _, dres = distill_backbone(out_dir, X.base_model_path(), out_dir, tasks=[d_tasks[s_] for s_ in seen],
-                                   params=dparams, anchors=d_anchors, within_patch_from=prev if budgeted else None,
+                                   params=params, anchors=d_anchors, within_patch_from=prev if budgeted else None,
                                    feature_model=d_fm, cache_dir=work / "distill-cache")
         log(f"  distil {len(seen)} task(s): KL {dres.kl_before:.4f} -> {dres.kl_after:.4f}, "
             f"similarity {dres.sim_before:.4f} -> {dres.sim_after:.4f}, {dres.seconds:.1f}s")
@@ -788,6 +798,8 @@ def main(argv: list[str] | None = None) -> int:
     for seed, order in rng_orders:
         for pol, var, params, use_ri in order_rows():
             use_distill = var.endswith("+distill")
+            row_d = ROW_DISTILL.get(distill_row_label(pol, var), {}) if use_distill else {}
+            row_dparams = replace(dparams, **{k.removeprefix("distill_"): v for k, v in row_d.items()})
             if use_ri or use_distill:
                 if [pol + var, seed] not in planned:
                     planned.append([pol + var, seed])
@@ -810,10 +822,11 @@ def main(argv: list[str] | None = None) -> int:
             res = fold_stream(order, experts, pol, params, ev, work, full_steps=full, log=log, objective_for=objective_for,
                               keep_final=want_uad, patches=seed is None and not args.no_patches,
                               ri=ri if use_ri else None, threads=fold_threads,
-                              post=partial(distil, budgeted=float(params.get("patch_budget", 1)) < 1)
+                              post=partial(distil, budgeted=float(params.get("patch_budget", 1)) < 1,
+                                           params=row_dparams)
                               if use_distill else None)
             if use_distill:
-                res["ran_params"].update({"distill_steps": dparams.steps, "distill_lr": dparams.lr,
+                res["ran_params"].update({"distill_steps": row_dparams.steps, "distill_lr": row_dparams.lr,
                                           "distill_gamma": dparams.gamma, "distill_aux": args.distill_aux,
                                           "distill_anchors": args.distill_anchors})
             run = {"policy": pol, "variant": var, "order_seed": seed, "order": order, "params": params,

@@ -241,12 +241,27 @@ DISTILL_ROW_OPTIONS = ("distill_steps", "distill_lr", "distill_gamma", "distill_
 _DISTILL_BEFORE = {"distill_anchors": 0}
 
 
-def stale_distill_runs(runs: list[dict[str, Any]], args: Any) -> list[dict[str, Any]]:
+def stale_distill_runs(runs: list[dict[str, Any]], args: Any,
+                       row_options: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """The +distill runs of an earlier piece whose distil options (``ran_params``) differ from
-    ``args``'s: a resumed run drops and re-runs them (their rows' numbers are those options')."""
+    ``args``'s: a resumed run drops and re-runs them (their rows' numbers are those options').
+    ``row_options``: per row label (policy + variant before "+ri"/"+distill"), the options that row
+    runs with instead of ``args``'s (see ``quality.ROW_DISTILL``)."""
     now = json.loads(json.dumps({k: getattr(args, k) for k in DISTILL_ROW_OPTIONS}))
+    rows = json.loads(json.dumps(row_options or {}))
+
+    def wanted(run: dict[str, Any]) -> dict[str, Any]:
+        return {**now, **rows.get(distill_row_label(run["policy"], run.get("variant", "")), {})}
+
     return [r for r in runs if str(r.get("variant", "")).endswith("+distill")
-            and any(r.get("ran_params", {}).get(k, _DISTILL_BEFORE.get(k)) != now[k] for k in DISTILL_ROW_OPTIONS)]
+            and any(r.get("ran_params", {}).get(k, _DISTILL_BEFORE.get(k)) != wanted(r)[k] for k in DISTILL_ROW_OPTIONS)]
+
+
+def distill_row_label(policy: str, variant: str) -> str:
+    """The row a +distill run's data steps were added to: ``policy`` + ``variant`` without its
+    trailing "+distill" and "+ri" (``iso_c``, ``+budget29+ri+distill`` → ``iso_c+budget29``)."""
+    v = variant.removesuffix("+distill").removesuffix("+ri")
+    return policy + v
 
 
 def _grows(had: Any, now: Any) -> bool:

@@ -542,6 +542,25 @@ def test_a_resume_with_other_distil_options_reruns_only_the_distil_rows(tmp_path
         S.load_resume(tmp_path, _args(*argv, "--distill-anchors", "256", "--eval-examples", "60"))
 
 
+
+def test_a_row_with_its_own_distil_options_is_stale_only_against_them():
+    """A row of ``ROW_DISTILL`` is compared with its own options, every other row with the
+    command's: a resume re-runs neither when each ran as it should, and re-runs the row whose
+    recorded options are not its own."""
+    args = _args("--tasks", "sst2,trec", "--distill-policies", "iso_c+ri,iso_c+budget29+ri")
+    ran = {"distill_steps": 100, "distill_lr": 1e-5, "distill_gamma": 0.3, "distill_aux": 128, "distill_anchors": 0}
+    runs = [{"policy": "iso_c", "variant": "+ri+distill", "order_seed": None, "ran_params": dict(ran)},
+            {"policy": "iso_c", "variant": "+budget29+ri+distill", "order_seed": None,
+             "ran_params": {**ran, "distill_lr": 3e-5}},
+            {"policy": "iso_c", "variant": "+budget29+ri+distill", "order_seed": 0, "ran_params": dict(ran)}]
+    own = {"iso_c+budget29": {"distill_lr": 3e-5}}
+    assert [(r["variant"], r["order_seed"]) for r in S.stale_distill_runs(runs, args, own)] == \
+        [("+budget29+ri+distill", 0)]
+    assert [r["order_seed"] for r in S.stale_distill_runs(runs, args)] == [None]  # no row options: the command's
+    assert S.distill_row_label("iso_c", "+budget29+ri+distill") == "iso_c+budget29"
+    assert S.distill_row_label("dop", "+distill") == "dop"
+    assert set().union(*map(set, quality.ROW_DISTILL.values())) <= {"distill_steps", "distill_lr", "distill_gamma"}
+
 def test_distil_anchors_are_sts_train_sentences_never_dev_or_test():
     """STS-B repeats some sentences across its splits: an anchor is never a sentence of dev (tuning)
     or test (the G measured), in any pair."""
