@@ -100,6 +100,7 @@ from mergestream.datasteps.distill import DistillParams, DistillTask, distill_ba
 from mergestream.engine import ExecOptions, fold, unmerge  # noqa: E402
 from mergestream.engine.coefficients import EntropyObjective  # noqa: E402
 from mergestream.io.st import WEIGHTS_HASH_VERSION  # noqa: E402
+from mergestream.policies import is_budgeted  # noqa: E402
 from mergestream.patches.build import build_patch  # noqa: E402
 from mergestream.datasteps.ri import HFEncoderFeatures, RIParams, adapt_expert, load_feature_model  # noqa: E402
 
@@ -822,7 +823,7 @@ def main(argv: list[str] | None = None) -> int:
             res = fold_stream(order, experts, pol, params, ev, work, full_steps=full, log=log, objective_for=objective_for,
                               keep_final=want_uad, patches=seed is None and not args.no_patches,
                               ri=ri if use_ri else None, threads=fold_threads,
-                              post=partial(distil, budgeted=float(params.get("patch_budget", 1)) < 1,
+                              post=partial(distil, budgeted=is_budgeted(params),
                                            params=row_dparams)
                               if use_distill else None)
             if use_distill:

@@ -72,7 +72,8 @@ class DistillConfig(_Section):
     """
 
     steps: int = Field(100, ge=0, description="AdamW steps per fold; 0 = identity")
-    lr: float = Field(1e-5, gt=0, description="AdamW learning rate")
+    lr: float | None = Field(None, gt=0, description="AdamW learning rate; default 1e-5, or 3e-5 when the "
+                                                    "policy has a patch_budget below 1 (both chosen on validation)")
     gamma: float = Field(0.3, ge=0, description="weight of the similarity-preserving term toward θ₀ (0: off)")
     batch_per_task: int = Field(8, ge=1, description="inputs of each task per step")
     examples_per_task: int = Field(128, ge=1, description="first N inputs of each task probe (their labels unused)")

@@ -145,6 +145,7 @@ def test_config_defaults_and_bad_values(bert, tmp_path):
                                                                                  "postprocess": ["distill"]})
     assert c.policy.unmerge_mode == "replay" and c.policy.distill.steps == 100 and c.policy.distill.gamma == 0.3
     assert c.policy.distill.anchor_examples == 1024 and c.policy.distill.anchor_batch == 16
+    assert c.policy.distill.lr is None  # chosen per stream: default_lr (see the next test)
     for bad in ({"postprocess": ["distill", "distill"]}, {"postprocess": ["other"]},
                 {"postprocess": ["distill"], "distill": {"gamma": -1}}, {"distill": {"lr": 0}},
                 {"distill": {"steps": 10, "nosuch": 1}}, {"distill": {"gamma": float("inf")}},
@@ -258,6 +259,23 @@ def test_under_a_patch_budget_the_step_trains_only_what_the_fold_changed(bert, e
     published = [tmp_path / w / "state" / "versions" / "000002" / "model" for w in ("d", "p")]
     assert f"only the {rec['trained_entries']} entries the fold changed" in (published[0] / "README.md").read_text()
     assert kl_to_experts(published[0], experts[:2], bert) < kl_to_experts(published[1], experts[:2], bert)
+
+
+def test_the_default_learning_rate_is_the_one_chosen_for_a_budget_or_none(bert, experts, tmp_path):
+    """No ``distill.lr``: 3e-5 under a patch budget below 1, 1e-5 otherwise (ρ = 1 is no budget), on
+    every fold and recorded in fold.json; a configured lr wins in both cases."""
+    one_step = {k: v for k, v in DISTIL["distill"].items() if k != "lr"} | {"steps": 1}
+    for name, params, lr, want in (("b", {"alpha": 1.0, "patch_budget": 0.2}, None, 3e-5),
+                                   ("n", {"alpha": 1.0}, None, 1e-5), ("one", {"alpha": 1.0, "patch_budget": 1}, None, 1e-5),
+                                   ("set", {"alpha": 1.0, "patch_budget": 0.2}, 2e-4, 2e-4)):
+        distill = one_step | ({"lr": lr} if lr is not None else {})
+        svc = service(tmp_path / name, bert, {"name": "iso_c", "params": params, "postprocess": ["distill"],
+                                              "distill": distill})
+        try:
+            feed(svc, experts[:2])
+        finally:
+            svc.shutdown()
+        assert [fold_doc(tmp_path / name, i)["distill"]["lr"] for i in (1, 2)] == [want, want], name
 
 
 def test_a_distil_config_defaults_to_replay_for_every_reader_and_names_its_real_error(bert, tmp_path):

@@ -43,6 +43,7 @@ from ..errors import CheckpointError, MergestreamError, ValidationError, os_erro
 from ..io.expert_readers import arrival_key, content_sha256
 from ..io.model_card import write_model_card
 from ..io.state import StateDir
+from ..policies import is_budgeted
 from . import gate
 from .ledger import Ledger
 from .metrics import Metrics
@@ -274,9 +275,8 @@ class Pipeline:
         if "distill" in pol.postprocess:  # the backbone trained toward each task's expert (.prestep)
             try:
                 # under a patch budget the step trains only what the fold changed: the bound holds
-                budgeted = float(pol.params.get("patch_budget", 1)) < 1
                 self.presteps.distill(att, (row.expert_id, att.candidate_expert),
-                                      within_patch_from=backbone if budgeted else None)
+                                      within_patch_from=backbone if is_budgeted(pol.params) else None)
             except PreStepRejected as exc:
                 return Outcome("rejected", self._as_arrived(row, str(exc)), "postprocess")
             except (StopRequested, OSError):

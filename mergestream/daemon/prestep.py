@@ -22,10 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Config
-from ..datasteps.distill import DistillError, DistillParams, DistillTask, distill_backbone, teacher_outputs
+from ..datasteps.distill import (DistillError, DistillParams, DistillTask, default_lr, distill_backbone,
+                                 teacher_outputs)
 from ..engine.coefficients import EntropyObjective
 from ..errors import MergestreamError
-from ..policies import Policy
+from ..policies import Policy, is_budgeted
 from ..datasteps.ri import RIError, RIParams, adapt_expert, load_feature_model, read_aux
 from ..datasteps.text import has_tokenizer, load_head, read_labelled_jsonl, read_scored_pairs
 from .objective import ProbeObjective
@@ -183,7 +184,9 @@ class PreSteps:
         """
         dc = self.cfg.policy.distill
         base = Path(self.cfg.base)
-        params = DistillParams(steps=dc.steps, lr=dc.lr, gamma=dc.gamma, batch_per_task=dc.batch_per_task,
+        lr = dc.lr if dc.lr is not None else default_lr(is_budgeted(self.cfg.policy.params))
+        params = DistillParams(steps=dc.steps, lr=lr,
+                               gamma=dc.gamma, batch_per_task=dc.batch_per_task,
                                max_length=dc.max_length, time_budget_seconds=dc.time_budget_seconds,
                                anchor_batch=dc.anchor_batch)
         try:
@@ -218,7 +221,7 @@ class PreSteps:
             raise PreStepRejected(f"distil post-step: {exc}") from exc
         att.timings.update(distill_seconds=time.time() - t, distill_steps=float(res.steps),
                            distill_kl_before=res.kl_before, distill_kl_after=res.kl_after)
-        att.extra["distill"] = {**res.to_json(), "experts": [eid for eid, _, _ in pairs]}
+        att.extra["distill"] = {**res.to_json(), "experts": [eid for eid, _, _ in pairs], "lr": params.lr}
 
     def _anchors(self) -> list[tuple[str, None]]:
         """The distil step's general anchors: the first ``policy.distill.anchor_examples`` distinct

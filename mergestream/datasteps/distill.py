@@ -55,6 +55,21 @@ class DistillError(MergestreamError):
     fit their head, a backbone that cannot be loaded, or a loss that became non-finite."""
 
 
+#: AdamW learning rate when the step trains every entry, chosen on validation rows of the one-shot
+#: Iso-C merge of 8 MiniLM experts (1e-5 of 1e-5, 3e-5, 1e-4: bench/results/distill_lr.json)
+LR = 1e-5
+#: the same under a patch budget (the step trains only the entries each fold changed: fewer entries
+#: move, each further): 3e-5 of the same grid with a ρ 0.29 mask (bench/results/distill_lr_budget29.json)
+BUDGETED_LR = 3e-5
+
+
+def default_lr(budgeted: bool) -> float:
+    """The AdamW learning rate the distil step uses when none is configured: :data:`BUDGETED_LR`
+    for a policy with a ``patch_budget`` below 1 (every fold of it, the first included),
+    :data:`LR` otherwise."""
+    return BUDGETED_LR if budgeted else LR
+
+
 @dataclass(frozen=True)
 class DistillParams:
     """Distil hyperparameters.
@@ -73,7 +88,7 @@ class DistillParams:
     """
 
     steps: int = 100
-    lr: float = 1e-5
+    lr: float = LR
     batch_per_task: int = 8
     gamma: float = 0.3
     max_length: int = 64

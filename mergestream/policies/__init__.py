@@ -16,7 +16,7 @@ from typing import Any
 from ..errors import PolicyError
 from ..recommended import RECOMMENDED_PARAMS, RECOMMENDED_POLICY  # torch-free home (the config reads it)
 from .base import Policy, PolicyParams, TensorContext, TensorFold
-from .budget import PatchBudget, split_budget_params, with_budget
+from .budget import PatchBudget, is_budgeted, split_budget_params, with_budget
 from .dop import Dop
 from .iso_c import IsoC
 from .iso_cts import IsoCts
@@ -121,4 +121,4 @@ def parameter_names(name: str) -> list[str]:
 __all__ = ["REGISTRY", "RECOMMENDED_POLICY", "RECOMMENDED_PARAMS", "Policy", "PolicyParams", "TensorContext",
            "TensorFold", "make_policy", "parameter_names", "policy_names", "reference_params", "cmaes_coefficients",
            "stability_penalty", "Dop", "IsoC", "Lines", "MdmOc", "Opcm", "SafeMerge", "MagMax", "TaskArithmetic", "Ties",
-           "IsoCts", "WeightAverage", "PatchBudget"]
+           "IsoCts", "WeightAverage", "PatchBudget", "is_budgeted"]

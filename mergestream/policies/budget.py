@@ -159,6 +159,11 @@ def split_budget_params(params: dict[str, Any] | None) -> tuple[dict[str, Any], 
     return own, budget
 
 
+def is_budgeted(params: dict[str, Any] | None) -> bool:
+    """Whether a parameter dict sets a ``patch_budget`` below 1 (ρ = 1 is the inner policy unchanged)."""
+    return float((params or {}).get("patch_budget", 1)) < 1
+
+
 def with_budget(inner: Policy, budget: dict[str, Any]) -> Policy:
     """``inner`` wrapped in :class:`PatchBudget` (``budget`` non-empty), else ``inner`` itself.
 
