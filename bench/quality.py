@@ -54,6 +54,7 @@ import argparse
 import csv
 import json
 import random
+import shlex
 import shutil
 import sys
 import tempfile
@@ -669,7 +670,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def document() -> dict[str, Any]:
         pieces[-1]["seconds"] = time.perf_counter() - t_start
-        return {"command": " ".join([".venv/bin/python", "bench/quality.py", *(argv if argv is not None else sys.argv[1:])]),
+        return {"command": shlex.join([".venv/bin/python", "bench/quality.py", *(argv if argv is not None else sys.argv[1:])]),
                 "protocol": {"tasks": tasks, "eval_examples": args.eval_examples, "sts_pairs": args.sts_pairs,
                              "lp_train": args.lp_train, "shuffles": args.shuffles,
                              "final_only_shuffles": args.final_only_shuffles, "tuned": bool(args.tune),
