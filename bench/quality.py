@@ -78,6 +78,7 @@ from quality_setup import (  # noqa: E402
     check_resumed_experts,
     curve_steps,
     default_out,
+    distill_row_label,
     expert_hash,
     load_config,
     load_resume,
@@ -86,7 +87,6 @@ from quality_setup import (  # noqa: E402
     parse_recipe,
     parse_sets,
     protocol_args,
-    distill_row_label,
     stale_distill_runs,
     stale_grid,
     validation_rows,
@@ -829,7 +829,7 @@ def main(argv: list[str] | None = None) -> int:
                               if use_distill else None)
             if use_distill:
                 res["ran_params"].update({"distill_steps": row_dparams.steps, "distill_lr": row_dparams.lr,
-                                          "distill_gamma": dparams.gamma, "distill_aux": args.distill_aux,
+                                          "distill_gamma": row_dparams.gamma, "distill_aux": args.distill_aux,
                                           "distill_anchors": args.distill_anchors})
             run = {"policy": pol, "variant": var, "order_seed": seed, "order": order, "params": params,
                    "final": summarise(order, res, ref["expert_acc"]),
