@@ -138,7 +138,7 @@ def budgeted(merged: Path, base: Path, rho: float, out: Path) -> Path:
     shutil.copytree(merged, out)
     theta0 = load_file(str(base / "model.safetensors"))
     tensors = load_file(str(out / "model.safetensors"))
-    kept = 0.0
+    kept = 0
     for name, t in tensors.items():
         b = theta0.get(name, theta0.get(name.split(".", 1)[-1]))
         if t.ndim < 2 or b is None or b.shape != t.shape:
@@ -148,7 +148,7 @@ def budgeted(merged: Path, base: Path, rho: float, out: Path) -> Path:
         tensors[name] = torch.where(keep, t.float(), b.float()).to(t.dtype)
         kept += 1
     save_file(tensors, str(out / "model.safetensors"))
-    print(f"patch budget {rho}: {int(kept)} matrices cut to their top {rho:.0%} changed entries", flush=True)
+    print(f"patch budget {rho}: {kept} matrices cut to their top {rho:.0%} changed entries", flush=True)
     return out
 
 
