@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import shutil
 import sys
 import tempfile
 import time
@@ -39,10 +41,12 @@ import quality as Q  # noqa: E402
 import torch  # noqa: E402
 from quality_report import hmean  # noqa: E402
 from quality_setup import RESULTS, validation_rows  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
 
 from mergestream import experts as X  # noqa: E402
 from mergestream.datasteps.distill import DistillParams, DistillTask, distill_backbone, teacher_outputs  # noqa: E402
 from mergestream.datasteps.ri import HFEncoderFeatures  # noqa: E402
+from mergestream.policies.masks import top_mask  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,19 +132,12 @@ def main(argv: list[str] | None = None) -> int:
 def budgeted(merged: Path, base: Path, rho: float, out: Path) -> Path:
     """``merged`` with each matrix's change from θ₀ cut to its top ⌈ρ·n⌉ entries by |change| (the
     rest back at θ₀; 1-D tensors kept whole, as the budget wrapper does), written to ``out``."""
-    import math
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    from mergestream.policies.masks import top_mask
-
     shutil.copytree(merged, out)
     theta0 = load_file(str(base / "model.safetensors"))
     tensors = load_file(str(out / "model.safetensors"))
     kept = 0
     for name, t in tensors.items():
-        b = theta0.get(name, theta0.get(name.split(".", 1)[-1]))
+        b = theta0.get(name)
         if t.ndim < 2 or b is None or b.shape != t.shape:
             continue
         d = t.float() - b.float()
