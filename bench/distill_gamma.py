@@ -12,6 +12,10 @@ and on the benchmark's test rows (for the record only).
     .venv/bin/python bench/distill_gamma.py --gammas 0.3 --anchors 0,1024 --json ...
     .venv/bin/python bench/distill_gamma.py --gammas 0.3 --anchors 1024 --lrs 1e-5,3e-5 \
         --patch-budget 0.29 --json ...
+    .venv/bin/python bench/distill_gamma.py --gammas 0.3 --anchors 1024 --alphas 1.5,2.5 --json ...
+
+``--alphas`` merges at each Iso-C α in turn (default: the benchmark's tuned α) and runs the grid
+on each merge, so α is chosen with the distil step on rather than without it.
 
 ``--patch-budget ρ`` stands in for a budgeted row (``iso_c+budget29``): the one-shot merge keeps
 only the top ρ of each matrix's change from θ₀ (by |change|, as :mod:`mergestream.policies.budget`
@@ -57,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--anchors", default="0",
                     help="comma list of how many general anchor sentences (STS-B *train*) join the similarity term")
     ap.add_argument("--lrs", default=str(DistillParams().lr), help="comma list of distil AdamW learning rates")
+    ap.add_argument("--alphas", default=None,
+                    help="comma list of Iso-C α to merge at (default: the benchmark's tuned α)")
     ap.add_argument("--patch-budget", type=float, default=None,
                     help="keep the top ρ of each matrix's change from θ₀ and train only those entries")
     ap.add_argument("--quality-json", default=str(RESULTS / "quality.json"),
@@ -76,10 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     val = Q.Evaluator(test.tasks, test.heads, {t: validation_rows(data, t) for t in tasks},
                       Q.read_sts_dev(data, proto["sts_pairs"] or 500), test.tok)
     work = Path(tempfile.mkdtemp(prefix="ms-distil-gamma-"))
-    merged = Q.fold_stream(tasks, experts, "iso_c", iso, test, work, full_steps=False, log=lambda m: None,
-                           keep_final=True, threads=args.threads)["backbone"]
-    if args.patch_budget is not None:
-        merged = budgeted(merged, X.base_model_path(), args.patch_budget, work / "budgeted")
+    alphas = [float(a) for a in args.alphas.split(",") if a] if args.alphas else [iso["alpha"]]
     fm = HFEncoderFeatures(X.base_model_path(), max_length=DistillParams().max_length)
     dtasks = []
     for t in tasks:
@@ -95,36 +98,45 @@ def main(argv: list[str] | None = None) -> int:
         return out
 
     general = Q.sts_train_sentences(data)
-    rows = [{"gamma": None, "anchors": 0, "lr": None, **measure(merged)}]
+    rows = []
     within = X.base_model_path() if args.patch_budget is not None else None
-    for n_anchor in [int(a) for a in args.anchors.split(",") if a]:
-        for gamma in [float(g) for g in args.gammas.split(",") if g]:
-            for lr in [float(v) for v in args.lrs.split(",") if v]:
-                t0 = time.perf_counter()
-                out, res = distill_backbone(merged, X.base_model_path(), work / f"g{gamma}-a{n_anchor}-lr{lr}",
-                                            tasks=dtasks, params=DistillParams(steps=args.steps, gamma=gamma, lr=lr),
-                                            anchors=X.subsample(general, n_anchor, seed=7) if n_anchor else (),
-                                            within_patch_from=within, feature_model=fm, cache_dir=work / "cache")
-                rows.append({"gamma": gamma, "anchors": n_anchor, "lr": lr, "seconds": time.perf_counter() - t0,
-                             "kl_before": res.kl_before, "kl_after": res.kl_after, **measure(out)})
-                print(json.dumps(rows[-1]), flush=True)
-    best = max(rows[1:], key=lambda r: r["validation"]["H"]) if len(rows) > 1 else None
-    print(f"Iso-C {iso} of {len(tasks)} experts, distil {args.steps} steps, {args.aux} inputs per task"
+    for alpha in alphas:
+        merged = Q.fold_stream(tasks, experts, "iso_c", {**iso, "alpha": alpha}, test, work,
+                               full_steps=False, log=lambda m: None, keep_final=True, threads=args.threads)["backbone"]
+        if args.patch_budget is not None:
+            merged = budgeted(merged, X.base_model_path(), args.patch_budget, work / f"a{alpha}-budgeted")
+        rows.append({"alpha": alpha, "gamma": None, "anchors": 0, "lr": None, **measure(merged)})
+        for n_anchor in [int(a) for a in args.anchors.split(",") if a]:
+            for gamma in [float(g) for g in args.gammas.split(",") if g]:
+                for lr in [float(v) for v in args.lrs.split(",") if v]:
+                    t0 = time.perf_counter()
+                    out, res = distill_backbone(merged, X.base_model_path(), work / f"a{alpha}-g{gamma}-a{n_anchor}-lr{lr}",
+                                                tasks=dtasks, params=DistillParams(steps=args.steps, gamma=gamma, lr=lr),
+                                                anchors=X.subsample(general, n_anchor, seed=7) if n_anchor else (),
+                                                within_patch_from=within, feature_model=fm, cache_dir=work / "cache")
+                    rows.append({"alpha": alpha, "gamma": gamma, "anchors": n_anchor, "lr": lr,
+                                 "seconds": time.perf_counter() - t0,
+                                 "kl_before": res.kl_before, "kl_after": res.kl_after, **measure(out)})
+                    print(json.dumps(rows[-1]), flush=True)
+    stepped = [r for r in rows if r["gamma"] is not None]
+    best = max(stepped, key=lambda r: r["validation"]["H"]) if stepped else None
+    print(f"Iso-C α {alphas} (λ {iso['lambda']}) of {len(tasks)} experts, distil {args.steps} steps, {args.aux} inputs per task"
           + (f", patch budget {args.patch_budget}" if args.patch_budget is not None else ""))
-    print("| gamma | anchors | lr | val ACC | val G (dev) | val H | test ACC | test G | test H |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| α | gamma | anchors | lr | val ACC | val G (dev) | val H | test ACC | test G | test H |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         v, t = r["validation"], r["test"]
-        print(f"| {'none' if r['gamma'] is None else r['gamma']} | {r['anchors']} | {r['lr'] or '-'} | {v['ACC']:.2f} | "
+        print(f"| {r['alpha']} | {'none' if r['gamma'] is None else r['gamma']} | {r['anchors']} | {r['lr'] or '-'} | {v['ACC']:.2f} | "
               f"{v['G']:.2f} | {v['H']:.2f} | {t['ACC']:.2f} | {t['G']:.2f} | {t['H']:.2f} |")
     if best is not None:
-        print(f"chosen on validation: gamma {best['gamma']}, anchors {best['anchors']}, lr {best['lr']}")
+        print(f"chosen on validation: α {best['alpha']}, gamma {best['gamma']}, anchors {best['anchors']}, lr {best['lr']}")
     if args.json:
         Path(args.json).write_text(json.dumps({"command": " ".join(["bench/distill_gamma.py", *(argv or sys.argv[1:])]),
                                                "iso_c": iso, "steps": args.steps, "aux": args.aux, "rows": rows,
                                                "chosen": best["gamma"] if best else None,
                                                "chosen_anchors": best["anchors"] if best else None,
                                                "chosen_lr": best["lr"] if best else None,
+                                               "chosen_alpha": best["alpha"] if best else None,
                                                "patch_budget": args.patch_budget}, indent=1) + "\n")
     return 0
 
