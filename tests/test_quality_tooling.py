@@ -231,6 +231,17 @@ def test_lpft_rule_and_variants_tuned_with_their_parent():
     assert all("+" not in k or k in {p + v for p, v, _ in quality.POLICIES} for k in quality.GRID)
 
 
+def test_a_row_with_its_own_strength_keeps_it_over_the_tuned_value():
+    rows = [("iso_c", "", {"alpha": 1.5}), ("iso_c", "+budget29", {"alpha": 1.5}), ("iso_c", "+a2.5", {"alpha": 2.5})]
+    tuned = {"iso_c": {"param": "alpha", "chosen": 2.0}}
+    got = {p + v: params for p, v, params in quality.tuned_rows(rows, tuned, {})}
+    assert got["iso_c"]["alpha"] == got["iso_c+budget29"]["alpha"] == 2.0  # variants follow their parent
+    assert got["iso_c+a2.5"]["alpha"] == 2.5  # chosen with its data steps on: kept
+    labels = {p + v: params for p, v, params in quality.POLICIES}
+    assert quality.OWN_STRENGTH <= set(labels)
+    assert labels["iso_c+a2.5"]["alpha"] == json.loads((S.RESULTS / "distill_alpha.json").read_text())["chosen_alpha"]
+
+
 def test_gains_table_compares_each_variant_with_its_parent_on_shared_orders(tmp_path):
     doc = _doc()
     base = doc["runs"][0]
