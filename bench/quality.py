@@ -139,16 +139,16 @@ POLICIES: list[tuple[str, str, dict[str, Any]]] = [
     # the same with the distil step's learning rate chosen for a budgeted merge (ROW_DISTILL): 3e-5 of
     # 1e-5, 3e-5, 1e-4 on validation (bench/results/distill_lr_budget29.json); unbudgeted, 1e-5 stays best
     ("iso_c", "+budget29lr3e-5", {"alpha": 1.5, "lambda": 0.2, "patch_budget": 0.29}),
-    # Iso-C at the α chosen with the RI and distil steps on (OWN_STRENGTH: kept over the plain row's tuned
-    # α 2): 2.5 of 1.5, 2, 2.5, 3 on validation (bench/results/distill_alpha.json); run only as +ri+distill
+    # Iso-C at the α chosen with the distil step on (OWN_STRENGTH: kept over the plain row's tuned
+    # α 2): 2.5 of 1.5, 2, 2.5, 3 on validation (distill_alpha.json; α 2: distill_lr.json); run only as +ri+distill
     ("iso_c", "+a2.5", {"alpha": 2.5, "lambda": 0.2}),
     # Iso-C with task-specific subspaces: the paper's/reference's defaults (alpha 1, 80 % common)
     ("iso_cts", "", {"alpha": 1.0, "common_fraction": 0.8}),
 ]
 #: rows of POLICIES never run plain: only as the +ri / +distill rows --ri-policies and --distill-policies name
 STEP_ONLY = frozenset({"iso_c+budget29", "iso_c+budget29lr3e-5", "iso_c+a2.5"})
-#: rows whose strength was chosen elsewhere (with their data steps on, bench/distill_gamma.py): their own
-#: coefficient is kept, never replaced by the parent's --tune value
+#: rows whose strength was chosen elsewhere (with the distil step on: bench/distill_gamma.py --alphas):
+#: their own coefficient is kept, never replaced by the parent's --tune value
 OWN_STRENGTH = frozenset({"iso_c+a2.5"})
 #: distil options a row's +distill runs use instead of the command's, by row label (policy + variant
 #: before "+ri"/"+distill"): distill_steps, distill_lr or distill_gamma (DistillParams fields; the
