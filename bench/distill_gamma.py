@@ -29,6 +29,7 @@ inputs per task (each run's command is in it).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import shutil
@@ -82,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     val = Q.Evaluator(test.tasks, test.heads, {t: validation_rows(data, t) for t in tasks},
                       Q.read_sts_dev(data, proto["sts_pairs"] or 500), test.tok)
     work = Path(tempfile.mkdtemp(prefix="ms-distil-gamma-"))
-    alphas = [float(a) for a in args.alphas.split(",") if a] if args.alphas else [iso["alpha"]]
+    alphas = _numbers(args.alphas, float) if args.alphas else [iso["alpha"]]
+    grid = list(itertools.product(_numbers(args.anchors, int), _numbers(args.gammas, float), _numbers(args.lrs, float)))
     fm = HFEncoderFeatures(X.base_model_path(), max_length=DistillParams().max_length)
     dtasks = []
     for t in tasks:
@@ -106,18 +108,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.patch_budget is not None:
             merged = budgeted(merged, X.base_model_path(), args.patch_budget, work / f"a{alpha}-budgeted")
         rows.append({"alpha": alpha, "gamma": None, "anchors": 0, "lr": None, **measure(merged)})
-        for n_anchor in [int(a) for a in args.anchors.split(",") if a]:
-            for gamma in [float(g) for g in args.gammas.split(",") if g]:
-                for lr in [float(v) for v in args.lrs.split(",") if v]:
-                    t0 = time.perf_counter()
-                    out, res = distill_backbone(merged, X.base_model_path(), work / f"a{alpha}-g{gamma}-a{n_anchor}-lr{lr}",
-                                                tasks=dtasks, params=DistillParams(steps=args.steps, gamma=gamma, lr=lr),
-                                                anchors=X.subsample(general, n_anchor, seed=7) if n_anchor else (),
-                                                within_patch_from=within, feature_model=fm, cache_dir=work / "cache")
-                    rows.append({"alpha": alpha, "gamma": gamma, "anchors": n_anchor, "lr": lr,
-                                 "seconds": time.perf_counter() - t0,
-                                 "kl_before": res.kl_before, "kl_after": res.kl_after, **measure(out)})
-                    print(json.dumps(rows[-1]), flush=True)
+        for n_anchor, gamma, lr in grid:
+            t0 = time.perf_counter()
+            out, res = distill_backbone(merged, X.base_model_path(), work / f"a{alpha}-g{gamma}-a{n_anchor}-lr{lr}",
+                                        tasks=dtasks, params=DistillParams(steps=args.steps, gamma=gamma, lr=lr),
+                                        anchors=X.subsample(general, n_anchor, seed=7) if n_anchor else (),
+                                        within_patch_from=within, feature_model=fm, cache_dir=work / "cache")
+            rows.append({"alpha": alpha, "gamma": gamma, "anchors": n_anchor, "lr": lr,
+                         "seconds": time.perf_counter() - t0,
+                         "kl_before": res.kl_before, "kl_after": res.kl_after, **measure(out)})
+            print(json.dumps(rows[-1]), flush=True)
     stepped = [r for r in rows if r["gamma"] is not None]
     best = max(stepped, key=lambda r: r["validation"]["H"]) if stepped else None
     print(f"Iso-C α {alphas} (λ {iso['lambda']}) of {len(tasks)} experts, distil {args.steps} steps, {args.aux} inputs per task"
@@ -139,6 +139,11 @@ def main(argv: list[str] | None = None) -> int:
                                                "chosen_alpha": best["alpha"] if best else None,
                                                "patch_budget": args.patch_budget}, indent=1) + "\n")
     return 0
+
+
+def _numbers(text: str, kind: type) -> list:
+    """A comma list from the command line (``"0.1,0.3"``) as numbers of ``kind``; empty items skipped."""
+    return [kind(v) for v in text.split(",") if v]
 
 
 def budgeted(merged: Path, base: Path, rho: float, out: Path) -> Path:
