@@ -17,6 +17,15 @@ and on the benchmark's test rows (for the record only).
 ``--alphas`` merges at each Iso-C α in turn (default: the benchmark's tuned α) and runs the grid
 on each merge, so α is chosen with the distil step on rather than without it.
 
+``--row`` folds another row of ``bench/quality.py`` instead of Iso-C, at its tuned parameters,
+in file order, with ``--alphas`` then setting that row's tuned coefficient (``GRID``'s key: for
+``safe_merge+iso``, ``iso_alpha``). Iso-C is order-free, so its fold is the one-shot merge; a row
+that is not (SAFE-Merge) is proxied by its file-order stream with one distil step at the end
+rather than one per fold, and without RI: a ranking of the coefficient, not the row's H.
+
+    .venv/bin/python bench/distill_gamma.py --row safe_merge+iso --gammas 0.3 --anchors 1024 \
+        --alphas 2,2.5,3 --json ...
+
 ``--patch-budget ρ`` stands in for a budgeted row (``iso_c+budget29``): the one-shot merge keeps
 only the top ρ of each matrix's change from θ₀ (by |change|, as :mod:`mergestream.policies.budget`
 picks at a fold) and the distil step trains only those entries (``within_patch_from`` = θ₀), as
@@ -63,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma list of how many general anchor sentences (STS-B *train*) join the similarity term")
     ap.add_argument("--lrs", default=str(DistillParams().lr), help="comma list of distil AdamW learning rates")
     ap.add_argument("--alphas", default=None,
-                    help="comma list of Iso-C α to merge at (default: the benchmark's tuned α)")
+                    help="comma list of the row's coefficient (Iso-C's α) to merge at (default: its tuned value)")
+    ap.add_argument("--row", default="iso_c", choices=sorted({p + v for p, v, _ in Q.POLICIES}),
+                    metavar="ROW", help="the bench/quality.py row to fold (default iso_c)")
     ap.add_argument("--patch-budget", type=float, default=None,
                     help="keep the top ρ of each matrix's change from θ₀ and train only those entries")
     ap.add_argument("--quality-json", default=str(RESULTS / "quality.json"),
@@ -78,12 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     tasks = proto["tasks"]
     experts = {t: Path(p) for t, p in proto["experts"].items()}
     data = Path(proto["data"])
-    iso = {"alpha": proto["tuning"]["iso_c"]["chosen"], "lambda": proto["tuning"]["task_arithmetic"]["chosen"]}
+    policy, params, key = row_params(args.row, proto["tuning"])
     test = Q.Evaluator.on_test_rows(tasks, experts, data, proto["eval_examples"], proto["sts_pairs"])
     val = Q.Evaluator(test.tasks, test.heads, {t: validation_rows(data, t) for t in tasks},
                       Q.read_sts_dev(data, proto["sts_pairs"] or 500), test.tok)
     work = Path(tempfile.mkdtemp(prefix="ms-distil-gamma-"))
-    alphas = _numbers(args.alphas, float) if args.alphas else [iso["alpha"]]
+    alphas = _numbers(args.alphas, float) if args.alphas else [params[key]]
     grid = list(itertools.product(_numbers(args.anchors, int), _numbers(args.gammas, float), _numbers(args.lrs, float)))
     fm = HFEncoderFeatures(X.base_model_path(), max_length=DistillParams().max_length)
     dtasks = []
@@ -103,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     within = X.base_model_path() if args.patch_budget is not None else None
     for alpha in alphas:
-        merged = Q.fold_stream(tasks, experts, "iso_c", {**iso, "alpha": alpha}, test, work,
+        merged = Q.fold_stream(tasks, experts, policy, {**params, key: alpha}, test, work,
                                full_steps=False, log=lambda m: None, keep_final=True, threads=args.threads)["backbone"]
         if args.patch_budget is not None:
             merged = budgeted(merged, X.base_model_path(), args.patch_budget, work / f"a{alpha}-budgeted")
@@ -120,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(rows[-1]), flush=True)
     stepped = [r for r in rows if r["gamma"] is not None]
     best = max(stepped, key=lambda r: r["validation"]["H"]) if stepped else None
-    print(f"Iso-C α {alphas} (λ {iso['lambda']}) of {len(tasks)} experts, distil {args.steps} steps, {args.aux} inputs per task"
+    print(f"{args.row} {key} {alphas} ({params}) of {len(tasks)} experts, distil {args.steps} steps, {args.aux} inputs per task"
           + (f", patch budget {args.patch_budget}" if args.patch_budget is not None else ""))
     print("| α | gamma | anchors | lr | val ACC | val G (dev) | val H | test ACC | test G | test H |")
     print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -132,13 +143,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"chosen on validation: α {best['alpha']}, gamma {best['gamma']}, anchors {best['anchors']}, lr {best['lr']}")
     if args.json:
         Path(args.json).write_text(json.dumps({"command": " ".join(["bench/distill_gamma.py", *(argv or sys.argv[1:])]),
-                                               "iso_c": iso, "steps": args.steps, "aux": args.aux, "rows": rows,
+                                               "row": args.row, "params": params, "strength": key,
+                                               **({"iso_c": params} if args.row == "iso_c" else {}), "steps": args.steps, "aux": args.aux, "rows": rows,
                                                "chosen": best["gamma"] if best else None,
                                                "chosen_anchors": best["anchors"] if best else None,
                                                "chosen_lr": best["lr"] if best else None,
                                                "chosen_alpha": best["alpha"] if best else None,
                                                "patch_budget": args.patch_budget}, indent=1) + "\n")
     return 0
+
+
+def row_params(label: str, tuning: dict) -> tuple[str, dict, str]:
+    """``(policy, params, key)`` of ``bench/quality.py``'s row ``label`` ("policy+variant") as the
+    benchmark ran it: its METHODS.md defaults with the tuned coefficients of ``tuning`` applied
+    (``tuned_rows``), and ``key``, the coefficient ``--alphas`` sets (its ``GRID`` entry's)."""
+    (policy, _var, params), = [r for r in Q.tuned_rows(Q.POLICIES, tuning, {}) if r[0] + r[1] == label]
+    return policy, params, Q.GRID.get(label, Q.GRID.get(policy, ("alpha", ())))[0]
 
 
 def _numbers(text: str, kind: type) -> list:

@@ -581,3 +581,16 @@ def test_distil_anchors_are_sts_train_sentences_never_dev_or_test():
     held = {s for _, a, b in quality.read_sts_dev(data, None) for s in (a, b)}
     held |= {s for _, a, b in X.load_sts(data) for s in (a, b)}
     assert len(held) > 2000 and not held & set(anchors)
+
+
+def test_the_distil_proxy_folds_a_row_as_the_benchmark_ran_it_and_varies_its_own_coefficient():
+    import distill_gamma
+
+    tuning = {"iso_c": {"param": "alpha", "chosen": 2.0}, "safe_merge": {"param": "lambda", "chosen": 0.5},
+              "safe_merge+iso": {"param": "iso_alpha", "chosen": 2.5}}
+    assert distill_gamma.row_params("iso_c", tuning) == ("iso_c", {"alpha": 2.0, "lambda": 0.2}, "alpha")
+    policy, params, key = distill_gamma.row_params("safe_merge+iso", tuning)
+    assert (policy, key) == ("safe_merge", "iso_alpha")
+    assert params["iso_alpha"] == 2.5 and params["lambda"] == 0.5 and params["rho"] == 0.3
+    with pytest.raises(ValueError):
+        distill_gamma.row_params("no_such_row", tuning)
