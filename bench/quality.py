@@ -142,18 +142,22 @@ POLICIES: list[tuple[str, str, dict[str, Any]]] = [
     # Iso-C at the α chosen with the distil step on (OWN_STRENGTH: kept over the plain row's tuned
     # α 2): 2.5 of 1.5, 2, 2.5, 3 on validation (distill_alpha.json; α 2: distill_lr.json); run only as +ri+distill
     ("iso_c", "+a2.5", {"alpha": 2.5, "lambda": 0.2}),
+    # the budgeted row at the α chosen under its 0.29 mask with the distil step on at lr 3e-5 (OWN_STRENGTH,
+    # ROW_DISTILL): 3 of 2, 2.5, 3, 3.5 (distill_lr_budget29.json, distill_alpha{,3,35}_budget29.json)
+    ("iso_c", "+budget29a3lr3e-5", {"alpha": 3.0, "lambda": 0.2, "patch_budget": 0.29}),
     # Iso-C with task-specific subspaces: the paper's/reference's defaults (alpha 1, 80 % common)
     ("iso_cts", "", {"alpha": 1.0, "common_fraction": 0.8}),
 ]
 #: rows of POLICIES never run plain: only as the +ri / +distill rows --ri-policies and --distill-policies name
-STEP_ONLY = frozenset({"iso_c+budget29", "iso_c+budget29lr3e-5", "iso_c+a2.5"})
+STEP_ONLY = frozenset({"iso_c+budget29", "iso_c+budget29lr3e-5", "iso_c+a2.5", "iso_c+budget29a3lr3e-5"})
 #: rows whose strength was chosen elsewhere (with the distil step on: bench/distill_gamma.py --alphas):
 #: their own coefficient is kept, never replaced by the parent's --tune value
-OWN_STRENGTH = frozenset({"iso_c+a2.5"})
+OWN_STRENGTH = frozenset({"iso_c+a2.5", "iso_c+budget29a3lr3e-5"})
 #: distil options a row's +distill runs use instead of the command's, by row label (policy + variant
 #: before "+ri"/"+distill"): distill_steps, distill_lr or distill_gamma (DistillParams fields; the
 #: inputs and anchors are shared by every row); each value chosen on validation (bench/distill_gamma.py)
-ROW_DISTILL: dict[str, dict[str, Any]] = {"iso_c+budget29lr3e-5": {"distill_lr": 3e-5}}
+ROW_DISTILL: dict[str, dict[str, Any]] = {"iso_c+budget29lr3e-5": {"distill_lr": 3e-5},
+                                            "iso_c+budget29a3lr3e-5": {"distill_lr": 3e-5}}
 #: the coefficient --tune searches per policy (the last run's tuned values sit inside each grid)
 GRID = {"task_arithmetic": ("lambda", [0.1, 0.15, 0.2, 0.3, 0.5]), "ties": ("lambda", [0.5, 0.7, 1.0, 1.3]),
         "safe_merge": ("lambda", [0.2, 0.3, 0.5, 0.7]), "mdm_oc": ("alpha", [0.1, 0.15, 0.2, 0.3, 0.5]),

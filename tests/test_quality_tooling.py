@@ -240,6 +240,13 @@ def test_a_row_with_its_own_strength_keeps_it_over_the_tuned_value():
     labels = {p + v: params for p, v, params in quality.POLICIES}
     assert quality.OWN_STRENGTH <= set(labels)
     assert labels["iso_c+a2.5"]["alpha"] == json.loads((S.RESULTS / "distill_alpha.json").read_text())["chosen_alpha"]
+    # the budgeted row's α: the validation argmax over every α tried under its mask at its distil lr
+    docs = [json.loads(f.read_text()) for f in [*S.RESULTS.glob("distill_alpha*_budget29.json"),
+                                                  S.RESULTS / "distill_lr_budget29.json"]]
+    tried = [{"alpha": d["iso_c"]["alpha"], **r} for d in docs for r in d["rows"]]  # older files: α in "iso_c"
+    at_lr = [r for r in tried if r["lr"] == quality.ROW_DISTILL["iso_c+budget29a3lr3e-5"]["distill_lr"]]
+    assert {r["alpha"] for r in at_lr} >= {2.0, 2.5, 3.0, 3.5}
+    assert labels["iso_c+budget29a3lr3e-5"]["alpha"] == max(at_lr, key=lambda r: r["validation"]["H"])["alpha"]
 
 
 def test_gains_table_compares_each_variant_with_its_parent_on_shared_orders(tmp_path):
