@@ -26,6 +26,9 @@ rather than one per fold, and without RI: a ranking of the coefficient, not the 
     .venv/bin/python bench/distill_gamma.py --row safe_merge+iso --gammas 0.3 --anchors 1024 \
         --alphas 2,2.5,3 --json ...
 
+``--set KEY=VALUE,...`` folds the row at other values of its parameters (``--set rho=0.5``), and
+the JSON's ``params`` record them.
+
 ``--patch-budget ρ`` stands in for a budgeted row (``iso_c+budget29``): the one-shot merge keeps
 only the top ρ of each matrix's change from θ₀ (by |change|, as :mod:`mergestream.policies.budget`
 picks at a fold) and the distil step trains only those entries (``within_patch_from`` = θ₀), as
@@ -46,6 +49,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -75,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma list of the row's coefficient (Iso-C's α) to merge at (default: its tuned value)")
     ap.add_argument("--row", default="iso_c", choices=sorted({p + v for p, v, _ in Q.POLICIES}),
                     metavar="ROW", help="the bench/quality.py row to fold (default iso_c)")
+    ap.add_argument("--set", dest="overrides", default=None, metavar="KEY=VALUE,...",
+                    help="comma list of the row's parameters to fold at instead of its own (e.g. rho=0.5); "
+                         "the JSON's params record them")
     ap.add_argument("--patch-budget", type=float, default=None,
                     help="keep the top ρ of each matrix's change from θ₀ and train only those entries")
     ap.add_argument("--quality-json", default=str(RESULTS / "quality.json"),
@@ -90,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     experts = {t: Path(p) for t, p in proto["experts"].items()}
     data = Path(proto["data"])
     policy, params, key = row_params(args.row, proto["tuning"])
+    params = {**params, **_overrides(args.overrides)}
     test = Q.Evaluator.on_test_rows(tasks, experts, data, proto["eval_examples"], proto["sts_pairs"])
     val = Q.Evaluator(test.tasks, test.heads, {t: validation_rows(data, t) for t in tasks},
                       Q.read_sts_dev(data, proto["sts_pairs"] or 500), test.tok)
@@ -159,6 +167,17 @@ def row_params(label: str, tuning: dict) -> tuple[str, dict, str]:
     (``tuned_rows``), and ``key``, the coefficient ``--alphas`` sets (its ``GRID`` entry's)."""
     (policy, _var, params), = [r for r in Q.tuned_rows(Q.POLICIES, tuning, {}) if r[0] + r[1] == label]
     return policy, params, Q.GRID.get(label, Q.GRID.get(policy, ("alpha", ())))[0]
+
+
+def _overrides(text: str | None) -> dict[str, Any]:
+    """``{"rho": 0.5}`` of ``"rho=0.5"`` (comma list; each value read as JSON: a number, true/false)."""
+    out: dict[str, Any] = {}
+    for item in filter(None, (text or "").split(",")):
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip():
+            raise SystemExit(f"--set wants KEY=VALUE items, got {item!r}")
+        out[name.strip()] = json.loads(value)
+    return out
 
 
 def _numbers(text: str, kind: type) -> list:

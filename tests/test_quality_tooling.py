@@ -602,3 +602,14 @@ def test_the_distil_proxy_folds_a_row_as_the_benchmark_ran_it_and_varies_its_own
     assert params["iso_alpha"] == 2.5 and params["lambda"] == 0.5 and params["rho"] == 0.3
     with pytest.raises(ValueError):
         distill_gamma.row_params("no_such_row", tuning)
+
+
+def test_the_distil_proxy_folds_a_row_at_other_values_of_its_parameters():
+    import distill_gamma
+
+    assert distill_gamma._overrides("rho=0.5, steps=200,risk_mask=false") == {"rho": 0.5, "steps": 200,
+                                                                            "risk_mask": False}
+    assert distill_gamma._overrides(None) == {} == distill_gamma._overrides("")
+    for bad in ("rho", "=0.5", "rho=half"):
+        with pytest.raises((SystemExit, ValueError)):
+            distill_gamma._overrides(bad)
