@@ -145,14 +145,19 @@ POLICIES: list[tuple[str, str, dict[str, Any]]] = [
     # the budgeted row at the α chosen under its 0.29 mask with the distil step on at lr 3e-5 (OWN_STRENGTH,
     # ROW_DISTILL): 3 of 2, 2.5, 3, 3.5 (distill_lr_budget29.json, distill_alpha{,3,35}_budget29.json)
     ("iso_c", "+budget29a3lr3e-5", {"alpha": 3.0, "lambda": 0.2, "patch_budget": 0.29}),
+    # the seed row at the ρ chosen with the distil step on (OWN_STRENGTH: λ and iso_alpha as the seed row ran):
+    # 1 of 0.3, 0.5, 0.7, 0.9, 1 on validation (bench/results/distill_safe_iso_{alpha,rho05,rho07,rho09,rho10}.json);
+    # at ρ 1 the mask keeps every entry: the masked low-rank recovery and the isotropic merge remain
+    ("safe_merge", "+iso-rho1", {**SAFE_DEFAULTS, "rho": 1.0, "lambda": 0.3, "iso_alpha": 2.0}),
     # Iso-C with task-specific subspaces: the paper's/reference's defaults (alpha 1, 80 % common)
     ("iso_cts", "", {"alpha": 1.0, "common_fraction": 0.8}),
 ]
 #: rows of POLICIES never run plain: only as the +ri / +distill rows --ri-policies and --distill-policies name
-STEP_ONLY = frozenset({"iso_c+budget29", "iso_c+budget29lr3e-5", "iso_c+a2.5", "iso_c+budget29a3lr3e-5"})
+STEP_ONLY = frozenset({"iso_c+budget29", "iso_c+budget29lr3e-5", "iso_c+a2.5", "iso_c+budget29a3lr3e-5",
+                       "safe_merge+iso-rho1"})
 #: rows whose strength was chosen elsewhere (with the distil step on: bench/distill_gamma.py --alphas):
 #: their own coefficient is kept, never replaced by the parent's --tune value
-OWN_STRENGTH = frozenset({"iso_c+a2.5", "iso_c+budget29a3lr3e-5"})
+OWN_STRENGTH = frozenset({"iso_c+a2.5", "iso_c+budget29a3lr3e-5", "safe_merge+iso-rho1"})
 #: distil options a row's +distill runs use instead of the command's, by row label (policy + variant
 #: before "+ri"/"+distill"): distill_steps, distill_lr or distill_gamma (DistillParams fields; the
 #: inputs and anchors are shared by every row); each value chosen on validation (bench/distill_gamma.py)
