@@ -8,6 +8,9 @@
   CPU seconds, the load everything else put on the machine), :func:`wait_for_idle`.
 - **Which code is measured**: :func:`mergestream_source`, the installed working tree or a
   ``git archive`` snapshot of ``--rev`` put first on ``PYTHONPATH``; :func:`git`.
+- **Paths a result records**: :func:`recorded_path` (no host folder in a checked-in result: the
+  expert cache as ``<cache>/``, the repository relative, the home folder as ``~/``),
+  :func:`recorded_command`, and :func:`resolved_path`, which reads one back.
 - Paths and units: :data:`REPO`, :data:`DEFAULT_WORKDIR`, :data:`DEFAULT_MERGESTREAM`,
   :data:`CONSTRAINTS`, :data:`GB`, :data:`MIB`; :func:`_log` (a timestamped line on stderr).
 
@@ -195,6 +198,55 @@ def ensure_models(workdir: Path, size: str, dtype_name: str) -> tuple[Path, Path
 def hash_name(name: str) -> int:
     """A stable 31-bit seed for a tensor name (Python's ``hash`` is salted per process)."""
     return zlib.crc32(name.encode()) & 0x7FFFFFFF
+
+
+#: how a result names the expert cache (``mergestream.experts.cache_root()``: ``$MERGESTREAM_CACHE`` or
+#: ``~/.cache/mergestream/experts``)
+CACHE_MARK = "<cache>"
+
+
+def _cache_root() -> Path:
+    from mergestream.experts import cache_root  # the one home of the rule; imported late: bench/ loads without it
+
+    return cache_root()
+
+
+def recorded_path(path: str | os.PathLike) -> str:
+    """How a checked-in result records ``path``, never naming a host folder: inside the expert cache as
+    ``<cache>/REL``, inside the repository relative to its root, inside the home folder as ``~/REL``,
+    anything else (``/tmp`` scratch) as written; a relative or already recorded path is kept. Read
+    back with :func:`resolved_path`."""
+    text = os.fspath(path)
+    if not os.path.isabs(text):
+        return text
+    full = Path(text).resolve()
+    for root, mark in ((_cache_root(), CACHE_MARK), (REPO, ""), (Path.home(), "~")):
+        root = root.resolve()
+        if full.is_relative_to(root):
+            rel = full.relative_to(root).as_posix()
+            return f"{mark}/{rel}" if mark else rel
+    return text
+
+
+def recorded_command(argv: list[str]) -> list[str]:
+    """``argv`` with every absolute path in it (a word, or the value of ``--opt=PATH``) recorded by
+    :func:`recorded_path`."""
+    out = []
+    for word in map(str, argv):
+        opt, eq, value = word.partition("=") if word.startswith("--") else ("", "", word)
+        out.append(opt + eq + recorded_path(value) if os.path.isabs(value) else word)
+    return out
+
+
+def resolved_path(text: str) -> Path:
+    """The path a result's recorded one (:func:`recorded_path`) names on this machine: ``<cache>/REL``
+    under the expert cache, ``~/REL`` under the home folder, a relative path under the repository
+    root, an absolute one (older results, scratch) as written."""
+    if text.startswith(CACHE_MARK + "/"):
+        return _cache_root() / text[len(CACHE_MARK) + 1:]
+    if text.startswith("~/"):
+        return Path(text).expanduser()
+    return Path(text) if os.path.isabs(text) else REPO / text
 
 
 def weight_files(folder: Path) -> list[Path]:

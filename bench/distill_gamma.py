@@ -57,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 import quality as Q  # noqa: E402
 import torch  # noqa: E402
+from common import recorded_command, resolved_path  # noqa: E402
 from quality_report import hmean  # noqa: E402
 from quality_setup import RESULTS, validation_rows  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
@@ -94,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     doc = json.loads(Path(args.quality_json).read_text())
     proto = doc["protocol"]
     tasks = proto["tasks"]
-    experts = {t: Path(p) for t, p in proto["experts"].items()}
-    data = Path(proto["data"])
+    experts = {t: resolved_path(p) for t, p in proto["experts"].items()}
+    data = resolved_path(proto["data"])
     policy, params, key = row_params(args.row, proto["tuning"])
     params = {**params, **_overrides(args.overrides)}
     test = Q.Evaluator.on_test_rows(tasks, experts, data, proto["eval_examples"], proto["sts_pairs"])
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     if best is not None:
         print(f"chosen on validation: α {best['alpha']}, gamma {best['gamma']}, anchors {best['anchors']}, lr {best['lr']}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"command": " ".join(["bench/distill_gamma.py", *(argv or sys.argv[1:])]),
+        Path(args.json).write_text(json.dumps({"command": " ".join(["bench/distill_gamma.py", *recorded_command(argv or sys.argv[1:])]),
                                                "row": args.row, "params": params, "strength": key,
                                                **({"iso_c": params} if args.row == "iso_c" else {}), "steps": args.steps, "aux": args.aux, "rows": rows,
                                                "chosen": best["gamma"] if best else None,

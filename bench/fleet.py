@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from common import recorded_path  # bench/ (the script's folder) is first on sys.path
+
 from mergestream.agent.pull import pull
 from mergestream.agent.slots import Device
 from mergestream.daemon.store import Store
@@ -124,7 +126,8 @@ def main() -> None:
                   f"{row['ratio']:.1%} of {full:,} for full downloads ({sim['seconds']:.1f} s); "
                   f"per version: {rep['bytes_to_latest']}")
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2) + "\n")
+        recorded = {**vars(args), "out": recorded_path(args.out)}  # no host folder in the result
+        Path(args.out).write_text(json.dumps({"args": recorded, "rows": rows}, indent=2) + "\n")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -118,6 +118,7 @@ from common import (  # noqa: E402  (bench/ is not a package: the shared benchma
     _pip_version,
     ensure_models,
     mergestream_source,
+    recorded_command,
     run_measured,
     tree_bytes,
     wait_for_idle,
@@ -336,7 +337,7 @@ def run_mergestream(ctx: SizeContext, policy: str, sets: dict[str, str], note: s
     row.extra["output_bytes"] = tree_bytes(out)
     row.extra["state_bytes"] = tree_bytes(state)
     row.extra["state_bytes_before"] = state_before
-    row.extra["command"] = cmd
+    row.extra["command"] = recorded_command(cmd)
     row.extra["mergestream_source"] = ctx.args.mergestream_source
     if m.returncode != 0 or m.timed_out:
         row.error = "timed out" if m.timed_out else f"exit {m.returncode}: {m.tail()}"
@@ -426,7 +427,7 @@ def run_mergekit(ctx: SizeContext, method: str, exe: Path | None, why: str | Non
     cmd = [str(exe), str(cfg), str(out), "--no-copy-tokenizer", "--no-write-model-card", "--quiet",
            "--out-shard-size", "5B"]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1")
-    row.extra["command"] = cmd
+    row.extra["command"] = recorded_command(cmd)
     row.extra["config"] = cfg.read_text()
     row.extra["waited_for_idle_s"] = round(ctx.prepare(), 1)
     m = run_measured(cmd, ctx.logs, tag, env=env, timeout=ctx.args.timeout)

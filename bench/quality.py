@@ -68,6 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from common import recorded_command  # noqa: E402
 from quality_report import backward_transfer, hmean, save_outputs  # noqa: E402
 from quality_report import label as label_of  # noqa: E402
 from quality_setup import (  # noqa: E402
@@ -686,7 +687,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def document() -> dict[str, Any]:
         pieces[-1]["seconds"] = time.perf_counter() - t_start
-        return {"command": shlex.join([".venv/bin/python", "bench/quality.py", *(argv if argv is not None else sys.argv[1:])]),
+        return {"command": shlex.join([".venv/bin/python", "bench/quality.py", *recorded_command(argv if argv is not None else sys.argv[1:])]),
                 "protocol": {"tasks": tasks, "eval_examples": args.eval_examples, "sts_pairs": args.sts_pairs,
                              "lp_train": args.lp_train, "shuffles": args.shuffles,
                              "final_only_shuffles": args.final_only_shuffles, "tuned": bool(args.tune),

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 from quality_plots import NEEDS_DATA as _NEEDS_DATA  # row variants that need data or a search objective
+from quality_setup import portable_protocol
 
 from mergestream.policies import REGISTRY
 
@@ -357,6 +358,8 @@ def save_outputs(doc: dict[str, Any], out: Path,
     """
     out.mkdir(parents=True, exist_ok=True)
     complete_plan(doc)
+    if "protocol" in doc:  # no host folder in a checked-in result (read back: quality_setup.resolved_path)
+        doc["protocol"] = portable_protocol(doc["protocol"])
     _write_json(doc, out / "quality.json")
     write_md(doc, out / "quality.md")
     try:

@@ -18,6 +18,8 @@ from typing import Any
 
 import yaml
 
+from common import recorded_path
+
 from mergestream import experts as X
 from mergestream.errors import MergestreamError
 from mergestream.io.checkpoints import open_checkpoint
@@ -149,6 +151,16 @@ def parse_recipe(text: str) -> dict[str, Any]:
             except ValueError:
                 raise BenchInputError(f"--recipe: {k}={v!r} is not a {fields[k]}") from None
     return over
+
+
+def portable_protocol(protocol: dict[str, Any]) -> dict[str, Any]:
+    """``protocol`` with its ``data`` folder and ``experts`` folders recorded by :func:`recorded_path`."""
+    out = dict(protocol)
+    if "data" in out:
+        out["data"] = recorded_path(out["data"])
+    if isinstance(out.get("experts"), dict):
+        out["experts"] = {t: recorded_path(f) for t, f in out["experts"].items()}
+    return out
 
 
 def default_out() -> Path:

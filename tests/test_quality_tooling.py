@@ -622,3 +622,42 @@ def test_the_distil_proxy_folds_a_row_at_other_values_of_its_parameters():
     for bad in ("rho", "=0.5", "rho=half"):
         with pytest.raises((SystemExit, ValueError)):
             distill_gamma._overrides(bad)
+
+
+def test_results_record_no_host_folder_and_read_their_paths_back(tmp_path, monkeypatch):
+    import common
+
+    cache, home = tmp_path / "cache", tmp_path / "home"
+    monkeypatch.setenv("MERGESTREAM_CACHE", str(cache))
+    monkeypatch.setenv("HOME", str(home))
+    expert, data = cache / "sst2-8db7e8dbde68", cache / "quality-data" / "data-val100-6d3932f0a7bd"
+    assert common.recorded_path(expert) == "<cache>/sst2-8db7e8dbde68"
+    assert common.recorded_path(data) == "<cache>/quality-data/data-val100-6d3932f0a7bd"
+    assert common.recorded_path(S.RESULTS / "quality.json") == "bench/results/quality.json"
+    assert common.recorded_path(home / "data" / "x") == "~/data/x"
+    assert common.recorded_path(tmp_path / "scratch") == str(tmp_path / "scratch")  # scratch: as written
+    for kept in ("<cache>/x", "bench/results/quality.json", "~/x"):
+        assert common.recorded_path(kept) == kept  # already recorded: unchanged
+    for recorded, there in (("<cache>/sst2-8db7e8dbde68", expert), ("~/data/x", home / "data" / "x"),
+                            ("bench/results/quality.json", S.RESULTS / "quality.json"), (str(expert), expert)):
+        assert common.resolved_path(recorded) == there
+    argv = ["--data", str(data), f"--from-json={S.RESULTS / 'quality.json'}", "--workdir", "/tmp/qwork", "-x"]
+    assert common.recorded_command(argv) == ["--data", "<cache>/quality-data/data-val100-6d3932f0a7bd",
+                                             "--from-json=bench/results/quality.json", "--workdir", "/tmp/qwork", "-x"]
+
+    # every write of quality.json records them so, whatever the document held
+    doc = _doc()
+    doc["protocol"].update(data=str(data), experts={"sms": str(cache / "sms-1"), "trec": str(cache / "trec-2")})
+    R.save_outputs(doc, tmp_path / "out", lambda d, o: [])
+    text = (tmp_path / "out" / "quality.json").read_text() + (tmp_path / "out" / "quality.md").read_text()
+    assert str(cache) not in text
+    saved = json.loads((tmp_path / "out" / "quality.json").read_text())["protocol"]
+    assert saved["experts"] == {"sms": "<cache>/sms-1", "trec": "<cache>/trec-2"}
+    assert common.resolved_path(saved["data"]) == data
+
+
+def test_the_checked_in_results_hold_no_host_folder():
+    for f in [*S.RESULTS.rglob("*.json"), *S.RESULTS.rglob("*.md")]:
+        text = f.read_text(encoding="utf-8")
+        for host in ("/root/", "/home/", str(Path.home()) + "/", str(S.RESULTS.parent.parent.resolve()) + "/"):
+            assert host not in text, f"{f.relative_to(S.REPO)} names a host folder ({host})"
