@@ -147,7 +147,8 @@ POLICIES: list[tuple[str, str, dict[str, Any]]] = [
     # ROW_DISTILL): 3 of 2, 2.5, 3, 3.5 (distill_lr_budget29.json, distill_alpha{,3,35}_budget29.json)
     ("iso_c", "+budget29a3lr3e-5", {"alpha": 3.0, "lambda": 0.2, "patch_budget": 0.29}),
     # the seed row at the ρ chosen with the distil step on (OWN_STRENGTH: λ and iso_alpha as the seed row ran):
-    # 1 of 0.3, 0.5, 0.7, 0.9, 1 on validation (bench/results/distill_safe_iso_{alpha,rho05,rho07,rho09,rho10}.json);
+    # 1 of 0.3, 0.5, 0.7, 0.9, 1 at iso_alpha 2 on validation (bench/results/distill_safe_iso_{alpha,rho05,rho07,
+    # rho09,rho10}.json);
     # at ρ 1 the mask keeps every entry: the masked low-rank recovery and the isotropic merge remain
     ("safe_merge", "+iso-rho1", {**SAFE_DEFAULTS, "rho": 1.0, "lambda": 0.3, "iso_alpha": 2.0}),
     # Iso-C with task-specific subspaces: the paper's/reference's defaults (alpha 1, 80 % common)
