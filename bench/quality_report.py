@@ -358,7 +358,7 @@ def save_outputs(doc: dict[str, Any], out: Path,
     """
     out.mkdir(parents=True, exist_ok=True)
     complete_plan(doc)
-    if "protocol" in doc:  # no host folder in a checked-in result (read back: quality_setup.resolved_path)
+    if "protocol" in doc:  # no host folder in a checked-in result (read back: common.resolved_path)
         doc["protocol"] = portable_protocol(doc["protocol"])
     _write_json(doc, out / "quality.json")
     write_md(doc, out / "quality.md")

@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import quality  # noqa: E402  (evaluator, results folder: one home)
-from quality_report import hmean  # noqa: E402
 from common import recorded_command, recorded_path, resolved_path  # noqa: E402
+from quality_report import hmean  # noqa: E402
 
 from mergestream import experts as X  # noqa: E402
 from mergestream.engine import ExecOptions, fold  # noqa: E402
