@@ -658,5 +658,6 @@ def test_results_record_no_host_folder_and_read_their_paths_back(tmp_path, monke
 def test_the_checked_in_results_hold_no_host_folder():
     for f in [*S.RESULTS.rglob("*.json"), *S.RESULTS.rglob("*.md")]:
         text = f.read_text(encoding="utf-8")
-        for host in ("/root/", "/home/", str(Path.home()) + "/", str(S.RESULTS.parent.parent.resolve()) + "/"):
+        hosts = {"/root/", "/home/", str(Path.home()).rstrip("/") + "/", str(S.RESULTS.parent.parent.resolve()) + "/"}
+        for host in hosts - {"/"}:  # a home of "/" (some CI containers) names no folder
             assert host not in text, f"{f.relative_to(S.REPO)} names a host folder ({host})"
